@@ -1,0 +1,3 @@
+from sidecar.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Configuration: YAML text -> validated, frozen model."""

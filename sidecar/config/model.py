@@ -1,0 +1,181 @@
+"""The validated configuration: frozen dataclasses, built once per load by ``parse``.
+
+A request reads one ``Config`` snapshot and keeps it for all of its attempts; a reload builds a
+whole new ``Config`` and swaps one reference (see ``store``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+BackoffStrategy = Literal[
+    "full_jitter", "equal_jitter", "decorrelated_jitter", "exponential", "constant"
+]
+NonIdempotent = Literal["never", "with-idempotency-key", "always"]
+DlqRespond = Literal["passthrough", "accepted"]
+
+IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    strategy: BackoffStrategy = "full_jitter"
+    base: float = 0.025
+    max: float = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class RetryOn:
+    """The outcomes that may be retried."""
+
+    connect_failure: bool = True
+    reset: bool = True
+    per_try_timeout: bool = True
+    statuses: frozenset[int] = frozenset({502, 503, 504})
+
+
+@dataclass(frozen=True, slots=True)
+class RetryAfter:
+    honor: bool = True
+    max: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    attempts: int = 3
+    per_try_timeout: float = 2.0
+    backoff: Backoff = field(default_factory=Backoff)
+    retry_on: RetryOn = field(default_factory=RetryOn)
+    retry_after: RetryAfter = field(default_factory=RetryAfter)
+    non_idempotent: NonIdempotent = "with-idempotency-key"
+    max_body_bytes: int = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerPolicy:
+    failure_ratio: float = 0.5
+    min_sequences: int = 20
+    window: float = 10.0
+    open_for: float = 30.0
+    half_open_probes: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetPolicy:
+    ratio: float = 0.2
+    min_per_second: float = 10.0
+    window: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class BulkheadPolicy:
+    max_concurrent: int = 1000
+    queue_timeout: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Redrive:
+    enabled: bool = False
+    interval: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDlq:
+    enabled: bool = False
+    respond: DlqRespond = "passthrough"
+    keep_credentials: bool = False
+    max_replays: int = 5
+    replay_rate: float = 50.0
+    redrive: Redrive = field(default_factory=Redrive)
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    path: str | None = None
+    path_prefix: str | None = None
+    path_regex: re.Pattern[str] | None = None
+    methods: frozenset[str] | None = None
+    # (lower-case header name, exact value) pairs; all must be present.
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    host: str
+    port: int
+
+    @property
+    def authority(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def __str__(self) -> str:
+        return f"http://{self.authority}"
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    name: str
+    match: Match
+    upstream: Upstream
+    timeout: float
+    retry: RetryPolicy
+    breaker: BreakerPolicy
+    budget: BudgetPolicy
+    bulkhead: BulkheadPolicy
+    dlq: RouteDlq
+
+
+@dataclass(frozen=True, slots=True)
+class Listen:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class Admin:
+    listen: Listen = field(default_factory=lambda: Listen("127.0.0.1", 15000))
+    token_env: str | None = "RETRY_SIDECAR_ADMIN_TOKEN"
+
+
+@dataclass(frozen=True, slots=True)
+class DlqStore:
+    path: str = "./data/dlq.sqlite3"
+    max_records: int = 100_000
+    max_bytes: int = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_header_bytes: int = 32 * 1024
+    header_timeout: float = 10.0
+    body_idle_timeout: float = 30.0
+    max_request_body: int = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    version: int
+    name: str
+    listen: Listen
+    admin: Admin
+    trusted_peers: tuple[IpNetwork, ...]
+    dlq: DlqStore
+    limits: Limits
+    drain_timeout: float
+    routes: tuple[Route, ...]
+    source: str = "<memory>"
+    sha256: str = ""
+
+    def route(self, name: str) -> Route | None:
+        for r in self.routes:
+            if r.name == name:
+                return r
+        return None

@@ -1,0 +1,646 @@
+"""YAML text -> ``Config``. Every problem is collected with its key path and line.
+
+Routes inherit ``defaults``; a route overrides any key, section by section (``retry: {attempts: 4}``
+changes only ``attempts``). Each value is validated where it is written, so an error points at the
+line that holds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import ipaddress
+import re
+import socket
+from collections.abc import Callable
+from pathlib import Path as FsPath
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from sidecar.config import units
+from sidecar.config.errors import ConfigError, ConfigIssue
+from sidecar.config.model import (
+    Admin,
+    Backoff,
+    BreakerPolicy,
+    BudgetPolicy,
+    BulkheadPolicy,
+    Config,
+    DlqStore,
+    IpNetwork,
+    Limits,
+    Listen,
+    Match,
+    Redrive,
+    RetryAfter,
+    RetryOn,
+    RetryPolicy,
+    Route,
+    RouteDlq,
+    Upstream,
+)
+from sidecar.config.yamlnodes import Located, Path, YamlLoadError, load, path_str
+
+T = TypeVar("T")
+
+BACKOFF_STRATEGIES = ("full_jitter", "equal_jitter", "decorrelated_jitter", "exponential", "constant")
+NON_IDEMPOTENT = ("never", "with-idempotency-key", "always")
+RETRY_ON_WORDS = ("connect-failure", "reset", "per-try-timeout")
+HTTP_METHODS = frozenset(
+    {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"}
+)
+ROUTE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+MAX_ATTEMPTS = 10
+DEFAULT_TRUSTED = ("127.0.0.0/8", "::1/128")
+
+
+class _Invalid(Exception):
+    """Raised inside a field check; turned into a ConfigIssue by the caller."""
+
+
+class _Parser:
+    def __init__(self, located: Located) -> None:
+        self.located = located
+        self.issues: list[ConfigIssue] = []
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def error(self, path: Path, message: str) -> None:
+        self.issues.append(ConfigIssue(self.located.line(path), path_str(path), message))
+
+    def mapping(self, value: object, path: Path, allowed: tuple[str, ...]) -> dict[str, Any]:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            self.error(path, f"expected a mapping, got {_kind(value)}")
+            return {}
+        for key in value:
+            if key not in allowed:
+                self.error((*path, key), f"unknown key (allowed: {', '.join(allowed)})")
+        return {k: v for k, v in value.items() if k in allowed}
+
+    def field(
+        self, raw: dict[str, Any], key: str, path: Path, check: Callable[[object], T], default: T
+    ) -> T:
+        if key not in raw:
+            return default
+        try:
+            return check(raw[key])
+        except (_Invalid, units.UnitError) as exc:
+            self.error((*path, key), str(exc))
+            return default
+
+    # -- sections --------------------------------------------------------------------------
+
+    def retry(self, value: object, path: Path, base: RetryPolicy) -> RetryPolicy:
+        raw = self.mapping(
+            value,
+            path,
+            (
+                "attempts",
+                "per_try_timeout",
+                "backoff",
+                "retry_on",
+                "retry_after",
+                "non_idempotent",
+                "max_body_bytes",
+            ),
+        )
+        backoff = base.backoff
+        if "backoff" in raw:
+            backoff = self.backoff(raw["backoff"], (*path, "backoff"), base.backoff)
+        retry_after = base.retry_after
+        if "retry_after" in raw:
+            ra = self.mapping(raw["retry_after"], (*path, "retry_after"), ("honor", "max"))
+            retry_after = RetryAfter(
+                honor=self.field(ra, "honor", (*path, "retry_after"), _bool, retry_after.honor),
+                max=self.field(ra, "max", (*path, "retry_after"), _positive_duration, retry_after.max),
+            )
+        policy = RetryPolicy(
+            attempts=self.field(raw, "attempts", path, _int_range(1, MAX_ATTEMPTS), base.attempts),
+            per_try_timeout=self.field(
+                raw, "per_try_timeout", path, _positive_duration, base.per_try_timeout
+            ),
+            backoff=backoff,
+            retry_on=self.field(raw, "retry_on", path, _retry_on, base.retry_on),
+            retry_after=retry_after,
+            non_idempotent=self.field(
+                raw, "non_idempotent", path, _choice(NON_IDEMPOTENT), base.non_idempotent
+            ),
+            max_body_bytes=self.field(raw, "max_body_bytes", path, units.parse_size, base.max_body_bytes),
+        )
+        return policy
+
+    def backoff(self, value: object, path: Path, base: Backoff) -> Backoff:
+        raw = self.mapping(value, path, ("strategy", "base", "max"))
+        result = Backoff(
+            strategy=self.field(raw, "strategy", path, _choice(BACKOFF_STRATEGIES), base.strategy),
+            base=self.field(raw, "base", path, _duration, base.base),
+            max=self.field(raw, "max", path, _duration, base.max),
+        )
+        if result.max < result.base:
+            self.error((*path, "max"), f"must be at least base ({result.base}s)")
+        return result
+
+    def breaker(self, value: object, path: Path, base: BreakerPolicy) -> BreakerPolicy:
+        raw = self.mapping(
+            value, path, ("failure_ratio", "min_sequences", "window", "open_for", "half_open_probes")
+        )
+        return BreakerPolicy(
+            failure_ratio=self.field(raw, "failure_ratio", path, _ratio, base.failure_ratio),
+            min_sequences=self.field(
+                raw, "min_sequences", path, _int_range(1, 1_000_000), base.min_sequences
+            ),
+            window=self.field(raw, "window", path, _positive_duration, base.window),
+            open_for=self.field(raw, "open_for", path, _positive_duration, base.open_for),
+            half_open_probes=self.field(
+                raw, "half_open_probes", path, _int_range(1, 1000), base.half_open_probes
+            ),
+        )
+
+    def budget(self, value: object, path: Path, base: BudgetPolicy) -> BudgetPolicy:
+        raw = self.mapping(value, path, ("ratio", "min_per_second", "window"))
+        return BudgetPolicy(
+            ratio=self.field(raw, "ratio", path, _non_negative_number, base.ratio),
+            min_per_second=self.field(
+                raw, "min_per_second", path, _non_negative_number, base.min_per_second
+            ),
+            window=self.field(raw, "window", path, _positive_duration, base.window),
+        )
+
+    def bulkhead(self, value: object, path: Path, base: BulkheadPolicy) -> BulkheadPolicy:
+        raw = self.mapping(value, path, ("max_concurrent", "queue_timeout"))
+        return BulkheadPolicy(
+            max_concurrent=self.field(
+                raw, "max_concurrent", path, _int_range(1, 1_000_000), base.max_concurrent
+            ),
+            queue_timeout=self.field(raw, "queue_timeout", path, _duration, base.queue_timeout),
+        )
+
+    def route_dlq(self, value: object, path: Path, base: RouteDlq) -> RouteDlq:
+        raw = self.mapping(
+            value,
+            path,
+            ("enabled", "respond", "keep_credentials", "max_replays", "replay_rate", "redrive"),
+        )
+        redrive = base.redrive
+        if "redrive" in raw:
+            rd = self.mapping(raw["redrive"], (*path, "redrive"), ("enabled", "interval"))
+            redrive = Redrive(
+                enabled=self.field(rd, "enabled", (*path, "redrive"), _bool, redrive.enabled),
+                interval=self.field(
+                    rd, "interval", (*path, "redrive"), _positive_duration, redrive.interval
+                ),
+            )
+        return RouteDlq(
+            enabled=self.field(raw, "enabled", path, _bool, base.enabled),
+            respond=self.field(raw, "respond", path, _choice(("passthrough", "accepted")), base.respond),
+            keep_credentials=self.field(raw, "keep_credentials", path, _bool, base.keep_credentials),
+            max_replays=self.field(raw, "max_replays", path, _int_range(1, 1000), base.max_replays),
+            replay_rate=self.field(raw, "replay_rate", path, _positive_number, base.replay_rate),
+            redrive=redrive,
+        )
+
+    def match(self, value: object, path: Path) -> Match:
+        raw = self.mapping(value, path, ("path", "path_prefix", "path_regex", "methods", "headers"))
+        headers: tuple[tuple[str, str], ...] = ()
+        if "headers" in raw:
+            hraw = raw["headers"]
+            if not isinstance(hraw, dict):
+                self.error((*path, "headers"), "expected a mapping of header name to exact value")
+            else:
+                pairs = []
+                for name, val in hraw.items():
+                    if not isinstance(val, str | int) or isinstance(val, bool):
+                        self.error((*path, "headers", name), "expected a string value")
+                        continue
+                    pairs.append((str(name).lower(), str(val)))
+                headers = tuple(pairs)
+        return Match(
+            path=self.field(raw, "path", path, _url_path, None),
+            path_prefix=self.field(raw, "path_prefix", path, _url_path, None),
+            path_regex=self.field(raw, "path_regex", path, _regex, None),
+            methods=self.field(raw, "methods", path, _methods, None),
+            headers=headers,
+        )
+
+    # -- top level -------------------------------------------------------------------------
+
+    def config(self, source: str, sha: str) -> Config | None:
+        data = self.located.data
+        if data is None:
+            self.error((), "the file is empty")
+            return None
+        top = self.mapping(
+            data,
+            (),
+            (
+                "version",
+                "name",
+                "listen",
+                "admin",
+                "trusted_peers",
+                "dlq",
+                "limits",
+                "drain_timeout",
+                "defaults",
+                "routes",
+            ),
+        )
+        if "version" not in top:
+            self.error(("version",), "required (the only supported version is 1)")
+        else:
+            self.field(top, "version", (), _int_range(1, 1), 1)
+        name = self.field(top, "name", (), _name, socket.gethostname())
+        listen = self.field(top, "listen", (), _listen, Listen("0.0.0.0", 15001))
+
+        araw = self.mapping(top.get("admin"), ("admin",), ("listen", "token_env"))
+        admin = Admin(
+            listen=self.field(araw, "listen", ("admin",), _listen, Admin().listen),
+            token_env=self.field(araw, "token_env", ("admin",), _env_name, Admin().token_env),
+        )
+        trusted = self.field(
+            top, "trusted_peers", (), _networks, tuple(_networks(list(DEFAULT_TRUSTED)))
+        )
+        draw = self.mapping(top.get("dlq"), ("dlq",), ("path", "max_records", "max_bytes"))
+        dlq = DlqStore(
+            path=self.field(draw, "path", ("dlq",), _non_empty_str, DlqStore().path),
+            max_records=self.field(
+                draw, "max_records", ("dlq",), _int_range(1, 100_000_000), DlqStore().max_records
+            ),
+            max_bytes=self.field(draw, "max_bytes", ("dlq",), units.parse_size, DlqStore().max_bytes),
+        )
+        lraw = self.mapping(
+            top.get("limits"),
+            ("limits",),
+            ("max_header_bytes", "header_timeout", "body_idle_timeout", "max_request_body"),
+        )
+        d = Limits()
+        limits = Limits(
+            max_header_bytes=self.field(
+                lraw, "max_header_bytes", ("limits",), units.parse_size, d.max_header_bytes
+            ),
+            header_timeout=self.field(
+                lraw, "header_timeout", ("limits",), _positive_duration, d.header_timeout
+            ),
+            body_idle_timeout=self.field(
+                lraw, "body_idle_timeout", ("limits",), _positive_duration, d.body_idle_timeout
+            ),
+            max_request_body=self.field(
+                lraw, "max_request_body", ("limits",), units.parse_size, d.max_request_body
+            ),
+        )
+        drain = self.field(top, "drain_timeout", (), _duration, 20.0)
+
+        defaults = self.defaults(top.get("defaults"))
+        routes = self.routes(top.get("routes"), defaults)
+        if self.issues:
+            return None
+        return Config(
+            version=1,
+            name=name,
+            listen=listen,
+            admin=admin,
+            trusted_peers=trusted,
+            dlq=dlq,
+            limits=limits,
+            drain_timeout=drain,
+            routes=tuple(routes),
+            source=source,
+            sha256=sha,
+        )
+
+    def defaults(self, value: object) -> dict[str, Any]:
+        path: Path = ("defaults",)
+        raw = self.mapping(value, path, ("timeout", "retry", "breaker", "budget", "bulkhead", "dlq"))
+        return self.route_sections(raw, path, _DEFAULT_SECTIONS)
+
+    def route_sections(
+        self, raw: dict[str, Any], path: Path, base: dict[str, Any]
+    ) -> dict[str, Any]:
+        out = dict(base)
+        out["timeout"] = self.field(raw, "timeout", path, _positive_duration, base["timeout"])
+        if "retry" in raw:
+            out["retry"] = self.retry(raw["retry"], (*path, "retry"), base["retry"])
+        if "breaker" in raw:
+            out["breaker"] = self.breaker(raw["breaker"], (*path, "breaker"), base["breaker"])
+        if "budget" in raw:
+            out["budget"] = self.budget(raw["budget"], (*path, "budget"), base["budget"])
+        if "bulkhead" in raw:
+            out["bulkhead"] = self.bulkhead(raw["bulkhead"], (*path, "bulkhead"), base["bulkhead"])
+        if "dlq" in raw:
+            out["dlq"] = self.route_dlq(raw["dlq"], (*path, "dlq"), base["dlq"])
+        return out
+
+    def routes(self, value: object, defaults: dict[str, Any]) -> list[Route]:
+        if value is None:
+            self.error(("routes",), "required: at least one route")
+            return []
+        if not isinstance(value, list):
+            self.error(("routes",), f"expected a list of routes, got {_kind(value)}")
+            return []
+        if not value:
+            self.error(("routes",), "at least one route is required")
+        routes: list[Route] = []
+        seen: dict[str, int] = {}
+        for i, item in enumerate(value):
+            path: Path = ("routes", i)
+            raw = self.mapping(
+                item,
+                path,
+                ("name", "match", "upstream", "timeout", "retry", "breaker", "budget", "bulkhead", "dlq"),
+            )
+            if not isinstance(item, dict):
+                continue
+            name = None
+            if "name" not in raw:
+                self.error((*path, "name"), "required")
+            else:
+                name = self.field(raw, "name", path, _route_name, None)
+                if name is not None and name in seen:
+                    self.error((*path, "name"), f"duplicate route name (also routes[{seen[name]}])")
+                elif name is not None:
+                    seen[name] = i
+            upstream = None
+            if "upstream" not in raw:
+                self.error((*path, "upstream"), "required: the upstream URL, e.g. http://127.0.0.1:8080")
+            else:
+                upstream = self.field(raw, "upstream", path, _upstream, None)
+            match = self.match(raw.get("match"), (*path, "match"))
+            sections = self.route_sections(raw, path, defaults)
+            if name is None or upstream is None:
+                continue
+            routes.append(
+                Route(
+                    name=name,
+                    match=match,
+                    upstream=upstream,
+                    timeout=sections["timeout"],
+                    retry=sections["retry"],
+                    breaker=sections["breaker"],
+                    budget=sections["budget"],
+                    bulkhead=sections["bulkhead"],
+                    dlq=sections["dlq"],
+                )
+            )
+        return routes
+
+
+_DEFAULT_SECTIONS: dict[str, Any] = {
+    "timeout": 10.0,
+    "retry": RetryPolicy(),
+    "breaker": BreakerPolicy(),
+    "budget": BudgetPolicy(),
+    "bulkhead": BulkheadPolicy(),
+    "dlq": RouteDlq(),
+}
+
+
+# -- field checks: each takes the raw YAML value and returns the typed one or raises ----------
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "nothing"
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _Invalid(f"expected true or false, got {value!r}")
+    return value
+
+
+def _int_range(lo: int, hi: int) -> Callable[[object], int]:
+    def check(value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _Invalid(f"expected a whole number from {lo} to {hi}, got {value!r}")
+        if not lo <= value <= hi:
+            raise _Invalid(f"must be from {lo} to {hi}, got {value}")
+        return value
+
+    return check
+
+
+def _number(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _Invalid(f"expected a number, got {value!r}")
+    f = float(value)
+    if f != f or f in (float("inf"), float("-inf")):
+        raise _Invalid(f"expected a finite number, got {value!r}")
+    return f
+
+
+def _non_negative_number(value: object) -> float:
+    f = _number(value)
+    if f < 0:
+        raise _Invalid(f"must not be negative, got {value}")
+    return f
+
+
+def _positive_number(value: object) -> float:
+    f = _number(value)
+    if f <= 0:
+        raise _Invalid(f"must be greater than 0, got {value}")
+    return f
+
+
+def _ratio(value: object) -> float:
+    f = _number(value)
+    if not 0 < f <= 1:
+        raise _Invalid(f"must be greater than 0 and at most 1, got {value}")
+    return f
+
+
+def _duration(value: object) -> float:
+    return units.parse_duration(value)
+
+
+def _positive_duration(value: object) -> float:
+    d = units.parse_duration(value)
+    if d <= 0:
+        raise _Invalid(f"must be greater than 0, got {value!r}")
+    return d
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[object], Any]:
+    def check(value: object) -> str:
+        if value not in options:
+            raise _Invalid(f"must be one of {', '.join(options)}; got {value!r}")
+        assert isinstance(value, str)
+        return value
+
+    return check
+
+
+def _non_empty_str(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise _Invalid(f"expected a non-empty string, got {value!r}")
+    return value
+
+
+def _name(value: object) -> str:
+    s = _non_empty_str(value)
+    if not all(33 <= ord(c) < 127 for c in s) or len(s) > 128:
+        raise _Invalid("must be 1-128 visible ASCII characters (it is sent in a header)")
+    return s
+
+
+def _route_name(value: object) -> str:
+    if not isinstance(value, str) or not ROUTE_NAME.match(value):
+        raise _Invalid(
+            "must be 1-63 characters of letters, digits, '_', '.', '-', starting with a letter "
+            f"or digit (it is a metric label); got {value!r}"
+        )
+    return value
+
+
+def _env_name(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", value):
+        raise _Invalid(f"expected an environment variable name, got {value!r}")
+    return value
+
+
+def _listen(value: object) -> Listen:
+    if not isinstance(value, str):
+        raise _Invalid(f"expected 'host:port', got {value!r}")
+    host, sep, port_s = value.rpartition(":")
+    if not sep or not host or not port_s.isdigit():
+        raise _Invalid(f"expected 'host:port' like '0.0.0.0:15001', got {value!r}")
+    host = host.strip("[]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if host != "localhost":
+            raise _Invalid(f"the host must be an IP address or 'localhost', got {host!r}") from None
+    port = int(port_s)
+    if port > 65535:
+        raise _Invalid(f"port must be at most 65535, got {port}")
+    return Listen(host, port)
+
+
+def _networks(value: object) -> tuple[IpNetwork, ...]:
+    if not isinstance(value, list):
+        raise _Invalid("expected a list of CIDR ranges like '127.0.0.0/8'")
+    out = []
+    for item in value:
+        try:
+            out.append(ipaddress.ip_network(str(item), strict=False))
+        except ValueError:
+            raise _Invalid(f"not a CIDR range: {item!r}") from None
+    return tuple(out)
+
+
+def _upstream(value: object) -> Upstream:
+    if not isinstance(value, str):
+        raise _Invalid(f"expected a URL like 'http://127.0.0.1:8080', got {value!r}")
+    parts = urlsplit(value)
+    if parts.scheme != "http":
+        raise _Invalid(
+            f"only plain http:// upstreams are supported (a sidecar talks to its local app); got {value!r}"
+        )
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        raise _Invalid(f"the upstream URL must be scheme://host:port only, got {value!r}")
+    if not parts.hostname:
+        raise _Invalid(f"the upstream URL has no host: {value!r}")
+    try:
+        port = parts.port or 80
+    except ValueError:
+        raise _Invalid(f"bad port in {value!r}") from None
+    return Upstream(parts.hostname, port)
+
+
+def _url_path(value: object) -> str:
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise _Invalid(f"expected a path starting with '/', got {value!r}")
+    return value
+
+
+def _regex(value: object) -> re.Pattern[str]:
+    if not isinstance(value, str):
+        raise _Invalid(f"expected a regular expression string, got {value!r}")
+    try:
+        return re.compile(value)
+    except re.error as exc:
+        raise _Invalid(f"invalid regular expression: {exc}") from None
+
+
+def _methods(value: object) -> frozenset[str]:
+    if not isinstance(value, list) or not value:
+        raise _Invalid("expected a non-empty list of HTTP methods")
+    out = set()
+    for m in value:
+        if not isinstance(m, str) or m.upper() not in HTTP_METHODS:
+            raise _Invalid(f"unknown HTTP method {m!r}")
+        out.add(m.upper())
+    return frozenset(out)
+
+
+def _retry_on(value: object) -> RetryOn:
+    if not isinstance(value, list):
+        raise _Invalid("expected a list like [connect-failure, reset, per-try-timeout, 503]")
+    words: set[str] = set()
+    statuses: set[int] = set()
+    for item in value:
+        if isinstance(item, bool):
+            raise _Invalid(f"unknown retry condition {item!r}")
+        if isinstance(item, int) or (isinstance(item, str) and item.isdigit()):
+            code = int(item)
+            if not 100 <= code <= 599:
+                raise _Invalid(f"status code out of range: {item!r}")
+            statuses.add(code)
+        elif item == "5xx":
+            statuses.update(range(500, 600))
+        elif item == "gateway-error":
+            statuses.update((502, 503, 504))
+        elif item in RETRY_ON_WORDS:
+            words.add(str(item))
+        else:
+            raise _Invalid(
+                f"unknown retry condition {item!r} (use connect-failure, reset, per-try-timeout, "
+                "a status code, 5xx or gateway-error)"
+            )
+    return RetryOn(
+        connect_failure="connect-failure" in words,
+        reset="reset" in words,
+        per_try_timeout="per-try-timeout" in words,
+        statuses=frozenset(statuses),
+    )
+
+
+# -- entry points -------------------------------------------------------------------------------
+
+
+def parse_text(text: str, source: str = "<memory>") -> Config:
+    """Parse and validate; raise ConfigError listing every problem found."""
+    sha = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    try:
+        located = load(text)
+    except YamlLoadError as exc:
+        raise ConfigError(source, [ConfigIssue(exc.line, "<document>", exc.message)]) from None
+    parser = _Parser(located)
+    config = parser.config(source, sha)
+    if config is None:
+        raise ConfigError(source, parser.issues)
+    return config
+
+
+def parse_file(path: str) -> Config:
+    try:
+        raw = FsPath(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(path, [ConfigIssue(0, "<file>", f"cannot read: {exc.strerror}")]) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(path, [ConfigIssue(1, "<file>", "the file is not UTF-8")]) from None
+    return parse_text(text, source=path)
+
+
+def replace(config: Config, **changes: Any) -> Config:
+    """A changed copy (tests and tools)."""
+    return dataclasses.replace(config, **changes)

@@ -1,0 +1,1 @@
+"""The proxy: a thin aiohttp handler around pure routing and header rules."""

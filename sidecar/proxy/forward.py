@@ -1,0 +1,157 @@
+"""Header rules for what goes upstream and what comes back. Pure, on raw (bytes) headers.
+
+Hop-by-hop headers (RFC 9110 section 7.6.1) are dropped both ways, with every header that the
+``Connection`` header names. The sidecar's own headers are added after filtering, so a client
+cannot remove them by naming them in ``Connection``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+RawHeaders = Iterable[tuple[bytes, bytes]]
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+    }
+)
+# Re-framed by the sidecar itself, or handled by its server (100-continue).
+REFRAMED = frozenset({b"content-length", b"expect"})
+# The sidecar's own request headers: read only from trusted peers, always re-set.
+OWN_REQUEST = frozenset({b"x-retry-attempt", b"x-retry-edge", b"x-request-timeout-ms"})
+OWN_RESPONSE = frozenset(
+    {b"x-retry-attempts", b"x-retry-fate", b"x-retry-proxy-error", b"x-retry-dlq", b"x-retry-dlq-id"}
+)
+TRACESTATE_KEY = b"retry-sidecar"
+EDGE_MEMBER = TRACESTATE_KEY + b"=edge"
+
+
+def connection_named(headers: RawHeaders) -> frozenset[bytes]:
+    names: set[bytes] = set()
+    for k, v in headers:
+        if k.lower() == b"connection":
+            for token in v.split(b","):
+                t = token.strip().lower()
+                if t:
+                    names.add(t)
+    return frozenset(names)
+
+
+def _is_hop(lname: bytes, named: frozenset[bytes]) -> bool:
+    return lname in HOP_BY_HOP or lname in named or lname.startswith(b"proxy-")
+
+
+def request_headers(
+    raw: list[tuple[bytes, bytes]], peer: str, trusted: bool, scheme: bytes = b"http"
+) -> tuple[list[tuple[bytes, bytes]], bytes | None, bytes | None]:
+    """Headers to send upstream (minus per-attempt ones), plus the trusted edge marker and
+    propagated timeout (None when absent or the peer is not trusted).
+
+    X-Forwarded-For keeps what the client sent and appends the real peer; X-Forwarded-Proto and
+    X-Forwarded-Host are set by the sidecar (kept from a trusted peer).
+    """
+    named = connection_named(raw)
+    out: list[tuple[bytes, bytes]] = []
+    xff: list[bytes] = []
+    edge: bytes | None = None
+    timeout: bytes | None = None
+    host: bytes | None = None
+    proto: bytes | None = None
+    fwd_host: bytes | None = None
+    tracestate: list[bytes] = []
+    for k, v in raw:
+        lk = k.lower()
+        if lk in OWN_REQUEST:
+            if trusted:
+                if lk == b"x-retry-edge":
+                    edge = v
+                elif lk == b"x-request-timeout-ms":
+                    timeout = v
+            continue
+        if lk == b"tracestate":
+            tracestate.append(v)
+            continue
+        if lk == b"x-forwarded-for":
+            xff.append(v)
+            continue
+        if lk == b"x-forwarded-proto":
+            if trusted:
+                proto = v
+            continue
+        if lk == b"x-forwarded-host":
+            if trusted:
+                fwd_host = v
+            continue
+        if lk == b"host" and host is None:
+            host = v
+        if lk in REFRAMED or _is_hop(lk, named):
+            continue
+        out.append((k, v))
+    members = [m for m in _split_tracestate(tracestate) if not m.startswith(TRACESTATE_KEY + b"=")]
+    if trusted and edge is None and any(
+        m.strip() == EDGE_MEMBER for m in _split_tracestate(tracestate)
+    ):
+        edge = b"tracestate"
+    if members:
+        out.append((b"tracestate", b",".join(members)))
+    xff.append(peer.encode("ascii", "replace"))
+    out.append((b"X-Forwarded-For", b", ".join(xff)))
+    out.append((b"X-Forwarded-Proto", proto or scheme))
+    if fwd_host or host:
+        out.append((b"X-Forwarded-Host", fwd_host or host or b""))
+    return out, edge, timeout
+
+
+def _split_tracestate(values: list[bytes]) -> list[bytes]:
+    out = []
+    for v in values:
+        for m in v.split(b","):
+            m = m.strip()
+            if m:
+                out.append(m)
+    return out
+
+
+def with_edge_tracestate(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """Put ``retry-sidecar=edge`` first in tracestate (W3C: the newest member goes left)."""
+    out = []
+    existing: bytes | None = None
+    for k, v in headers:
+        if k == b"tracestate":
+            existing = v
+        else:
+            out.append((k, v))
+    value = EDGE_MEMBER if not existing else EDGE_MEMBER + b"," + existing
+    # W3C allows at most 32 members; drop from the right.
+    members = value.split(b",")[:32]
+    out.append((b"tracestate", b",".join(members)))
+    return out
+
+
+def response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    """Upstream response headers to copy to the client (as aiohttp wants them: str)."""
+    named = connection_named(raw)
+    out = []
+    for k, v in raw:
+        lk = k.lower()
+        if _is_hop(lk, named) or lk in OWN_RESPONSE:
+            continue
+        out.append((k.decode("latin-1"), v.decode("latin-1")))
+    return out
+
+
+def build_head(method: str, target: str, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The request line and the shared headers, without the final blank line."""
+    parts = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1")]
+    for k, v in headers:
+        parts.append(k + b": " + v + b"\r\n")
+    return b"".join(parts)

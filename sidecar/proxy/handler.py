@@ -1,0 +1,261 @@
+"""The proxy handler: route, read the body, run the retry sequence, stream the answer back.
+
+It is deliberately thin: routing and header rules are pure functions in ``routing`` and
+``forward``; retry judgement is in ``sidecar.retry``; upstream I/O is in ``sidecar.upstream``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from sidecar.config.model import Config, IpNetwork, Route
+from sidecar.config.store import ConfigStore
+from sidecar.proxy import forward
+from sidecar.proxy.respond import ProxyResponse, client_error, proxy_error
+from sidecar.proxy.routing import find_route
+from sidecar.retry.classify import may_resend
+from sidecar.retry.deadline import Deadline, parse_timeout_ms
+from sidecar.retry.decide import Constraints, Fate
+from sidecar.retry.loop import Clock, RetryGate, SequenceResult, run_sequence
+from sidecar.telemetry.events import EventSink, SequenceEnded
+from sidecar.upstream.client import Body, UpstreamClient, UpstreamResponse
+from sidecar.upstream.errors import PoolExhausted, UpstreamError
+
+log = logging.getLogger("sidecar.proxy")
+
+READ_CHUNK = 64 * 1024
+
+
+@dataclass
+class ProxyDeps:
+    store: ConfigStore
+    client: UpstreamClient
+    clock: Clock
+    rng: random.Random
+    events: EventSink
+    gate: RetryGate
+
+
+def peer_of(request: web.BaseRequest) -> str:
+    transport = request.transport
+    if transport is None:
+        return ""
+    peer = transport.get_extra_info("peername")
+    if isinstance(peer, tuple) and peer:
+        return str(peer[0])
+    return ""
+
+
+def is_trusted(peer: str, networks: tuple[IpNetwork, ...]) -> bool:
+    try:
+        addr = ipaddress.ip_address(peer)
+    except ValueError:
+        return False
+    return any(addr in net for net in networks)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def _read_prefix(request: web.BaseRequest, limit: int) -> tuple[bytes, bool]:
+    """Read up to limit+1 bytes: (bytes read, whether the body ended within the limit)."""
+    content = request.content
+    buf = bytearray()
+    while len(buf) <= limit:
+        chunk = await content.read(limit + 1 - len(buf))
+        if not chunk:
+            return bytes(buf), True
+        buf += chunk
+    return bytes(buf), False
+
+
+async def _rest(request: web.BaseRequest, prefix: bytes, max_total: int) -> AsyncIterator[bytes]:
+    total = len(prefix)
+    yield prefix
+    while True:
+        chunk = await request.content.read(READ_CHUNK)
+        if not chunk:
+            return
+        total += len(chunk)
+        if total > max_total:
+            raise BodyTooLarge(f"request body over {max_total} bytes")
+        yield chunk
+
+
+class ProxyHandler:
+    def __init__(self, deps: ProxyDeps) -> None:
+        self.deps = deps
+
+    async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+        deps = self.deps
+        config: Config = deps.store.current  # one snapshot for the whole sequence
+        if request.version[0] != 1 or request.version[1] not in (0, 1):
+            return client_error(400, "only HTTP/1.0 and HTTP/1.1 are accepted")
+        method = request.method
+        target = request.raw_path
+        path = target.split("?", 1)[0]
+        route = find_route(config.routes, method, path, request.headers.get)
+        if route is None:
+            return client_error(404, f"no route matches {method} {path}")
+
+        length = request.content_length
+        if length is not None and length > config.limits.max_request_body:
+            return client_error(
+                413, f"request body of {length} bytes is over {config.limits.max_request_body}"
+            )
+
+        peer = peer_of(request)
+        trusted = is_trusted(peer, config.trusted_peers)
+        shared, edge, timeout_ms = forward.request_headers(list(request.raw_headers), peer, trusted)
+        start = deps.clock.monotonic()
+        deadline = Deadline.start(start, route.timeout, parse_timeout_ms(_s(timeout_ms)))
+
+        # Body: buffered up to max_body_bytes so it can be resent; streamed once beyond.
+        body: Body = None
+        chunked = False
+        replayable = True
+        if request.body_exists:
+            prefix, ended = await _read_prefix(request, route.retry.max_body_bytes)
+            if ended:
+                body = prefix
+                shared.append((b"Content-Length", str(len(prefix)).encode()))
+            else:
+                replayable = False
+                body = _rest(request, prefix, config.limits.max_request_body)
+                if length is not None:
+                    shared.append((b"Content-Length", str(length).encode()))
+                else:
+                    chunked = True
+                    shared.append((b"Transfer-Encoding", b"chunked"))
+        elif method in ("POST", "PUT", "PATCH"):
+            shared.append((b"Content-Length", b"0"))
+
+        edge_name = edge if edge is not None and edge != b"tracestate" else config.name.encode()
+        shared.append((b"x-retry-edge", edge_name))
+        shared = forward.with_edge_tracestate(shared)
+        head_base = forward.build_head(method, target, shared)
+        head_only = method == "HEAD"
+        host, port = route.upstream.host, route.upstream.port
+        client = deps.client
+        clock = deps.clock
+
+        async def send(attempt: int, timeout: float) -> UpstreamResponse:
+            remaining = deadline.remaining_ms(clock.monotonic())
+            head = head_base + b"x-retry-attempt: %d\r\nx-request-timeout-ms: %d\r\n\r\n" % (
+                attempt,
+                remaining,
+            )
+            return await client.request(host, port, head, body, timeout, head_only, chunked)
+
+        idem = request.headers.get("Idempotency-Key") is not None
+        constraints = Constraints(
+            may_resend=may_resend(route.retry, method, idem),
+            body_replayable=replayable,
+            edge_owned=edge is not None,
+            killed=deps.gate.killed(),
+        )
+        try:
+            result = await run_sequence(
+                route, send, deadline, constraints, clock, deps.rng, deps.events, deps.gate
+            )
+        except BodyTooLarge as exc:
+            return self._finish(
+                request, route, start, client_error(413, str(exc)), Fate.NOT_RETRYABLE, 1
+            )
+        return await self._answer(request, route, start, result)
+
+    def _finish(
+        self,
+        request: web.BaseRequest,
+        route: Route,
+        start: float,
+        resp: web.StreamResponse,
+        fate: Fate,
+        attempts: int,
+        proxy_error_code: str | None = None,
+    ) -> web.StreamResponse:
+        self.deps.events.sequence_ended(
+            SequenceEnded(
+                route.name,
+                request.method,
+                fate.value,
+                attempts,
+                self.deps.clock.monotonic() - start,
+                resp.status,
+                proxy_error_code,
+            )
+        )
+        return resp
+
+    async def _answer(
+        self, request: web.BaseRequest, route: Route, start: float, result: SequenceResult
+    ) -> web.StreamResponse:
+        fate = result.fate
+        up = result.response
+        if up is None:
+            err = result.error
+            assert err is not None
+            status, code = err.status, err.code
+            if fate is Fate.DEADLINE:
+                status, code = 504, "deadline"
+            resp = proxy_error(status, code, str(err), fate, result.attempts)
+            return self._finish(request, route, start, resp, fate, result.attempts, code)
+        return await self._stream(request, route, start, result, up)
+
+    async def _stream(
+        self,
+        request: web.BaseRequest,
+        route: Route,
+        start: float,
+        result: SequenceResult,
+        up: UpstreamResponse,
+    ) -> web.StreamResponse:
+        resp = ProxyResponse(status=up.status)
+        for k, v in forward.response_headers(up.headers):
+            resp.headers.add(k, v)
+        resp.headers["x-retry-attempts"] = str(result.attempts)
+        resp.headers["x-retry-fate"] = result.fate.value
+        idle = route.retry.per_try_timeout
+        try:
+            await resp.prepare(request)
+            if up.has_body:
+                while True:
+                    chunk = await up.read_chunk(idle)
+                    if not chunk:
+                        break
+                    await resp.write(chunk)
+            up.release()
+            await resp.write_eof()
+        except UpstreamError as exc:
+            # The upstream broke after the head went out: the client must see a broken
+            # response (connection cut, no terminating chunk), never a truncated whole one.
+            up.discard()
+            log.debug("upstream body broke on route %s: %s", route.name, exc)
+            _cut(request, resp)
+        except (ConnectionError, OSError):
+            up.discard()  # the client went away
+        except BaseException:
+            up.discard()
+            raise
+        return self._finish(request, route, start, resp, result.fate, result.attempts)
+
+
+def _cut(request: web.BaseRequest, resp: web.StreamResponse) -> None:
+    resp.force_close()
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+
+
+def _s(v: bytes | None) -> str | None:
+    return v.decode("latin-1") if v is not None else None
+
+
+__all__ = ["PoolExhausted", "ProxyDeps", "ProxyHandler"]

@@ -1,0 +1,1 @@
+"""The retry engine: pure decisions (backoff, classify, decide, deadline) and one async driver."""

@@ -1,0 +1,68 @@
+"""Classification of one attempt's outcome, and the idempotency rules. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from sidecar.config.model import RetryPolicy
+
+
+class OutcomeKind(Enum):
+    RESPONSE = "response"
+    CONNECT_FAILURE = "connect-failure"
+    RESET = "reset"
+    PER_TRY_TIMEOUT = "per-try-timeout"
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one attempt produced, in the project's own terms (no aiohttp types)."""
+
+    kind: OutcomeKind
+    status: int = 0
+    retry_after: str | None = None  # the raw Retry-After header of a response
+    detail: str = ""
+
+    @property
+    def label(self) -> str:
+        """A bounded word for metrics and spans: a status code or the failure kind."""
+        if self.kind is OutcomeKind.RESPONSE:
+            return str(self.status)
+        return self.kind.value
+
+
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
+
+
+def is_retryable(policy: RetryPolicy, outcome: Outcome) -> bool:
+    on = policy.retry_on
+    kind = outcome.kind
+    if kind is OutcomeKind.RESPONSE:
+        return outcome.status in on.statuses
+    if kind is OutcomeKind.CONNECT_FAILURE:
+        return on.connect_failure
+    if kind is OutcomeKind.RESET:
+        return on.reset
+    return on.per_try_timeout
+
+
+def is_success(outcome: Outcome) -> bool:
+    return outcome.kind is OutcomeKind.RESPONSE and outcome.status < 400
+
+
+def may_resend(policy: RetryPolicy, method: str, has_idempotency_key: bool) -> bool:
+    """Whether a request whose bytes may have reached the upstream can be sent again."""
+    if method in IDEMPOTENT_METHODS:
+        return True
+    mode = policy.non_idempotent
+    if mode == "always":
+        return True
+    if mode == "with-idempotency-key":
+        return has_idempotency_key
+    return False
+
+
+def nothing_reached_upstream(outcome: Outcome) -> bool:
+    """A connect failure: no byte of the request left this process, any method may be retried."""
+    return outcome.kind is OutcomeKind.CONNECT_FAILURE

@@ -1,0 +1,40 @@
+"""Deadline arithmetic on a monotonic clock. Pure: ``now`` is always passed in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Header values are clamped to this (1 day) so a peer cannot make arithmetic silly.
+MAX_PROPAGATED_MS = 86_400_000
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    at: float  # monotonic seconds
+
+    @classmethod
+    def start(cls, now: float, route_timeout: float, propagated_ms: int | None = None) -> Deadline:
+        """The smaller of the route timeout and a propagated ``x-request-timeout-ms``."""
+        budget = route_timeout
+        if propagated_ms is not None:
+            budget = min(budget, propagated_ms / 1000.0)
+        return cls(now + max(0.0, budget))
+
+    def remaining(self, now: float) -> float:
+        return max(0.0, self.at - now)
+
+    def expired(self, now: float) -> bool:
+        return now >= self.at
+
+    def remaining_ms(self, now: float) -> int:
+        return int(self.remaining(now) * 1000)
+
+
+def parse_timeout_ms(value: str | None) -> int | None:
+    """A propagated ``x-request-timeout-ms``; None when absent or malformed."""
+    if value is None:
+        return None
+    v = value.strip()
+    if not v.isdigit() or not v.isascii() or len(v) > 12:
+        return None
+    return min(int(v), MAX_PROPAGATED_MS)

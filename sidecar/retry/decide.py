@@ -1,0 +1,118 @@
+"""The decide step: after one attempt, return, retry after a delay, or give up. Pure.
+
+Inputs are values only: the policy, the attempt's classified outcome, the sequence state, the
+deadline, ``now`` (monotonic), ``now_wall`` (epoch, for Retry-After dates) and an RNG. The async
+driver (``loop.py``) does the I/O and the sleeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from sidecar.config.model import RetryPolicy
+from sidecar.retry import backoff
+from sidecar.retry.backoff import Rng
+from sidecar.retry.classify import (
+    Outcome,
+    OutcomeKind,
+    is_retryable,
+    is_success,
+    nothing_reached_upstream,
+)
+from sidecar.retry.deadline import Deadline
+from sidecar.retry.retry_after import parse_retry_after
+
+# Retry-After is honoured with up to this fraction of extra jitter, so that every client told
+# "wait 5s" does not come back in the same millisecond.
+RETRY_AFTER_JITTER = 0.1
+
+
+class Fate(str, Enum):
+    """Why a sequence stopped (the ``x-retry-fate`` header)."""
+
+    SUCCESS = "success"
+    EXHAUSTED = "exhausted"
+    NOT_RETRYABLE = "not-retryable"
+    NON_IDEMPOTENT = "non-idempotent"
+    BODY_TOO_LARGE = "body-too-large"
+    BUDGET_EXHAUSTED = "budget-exhausted"
+    BREAKER_OPEN = "breaker-open"
+    KILL_SWITCH = "kill-switch"
+    DEADLINE = "deadline"
+    EDGE_OWNED = "edge-owned"
+    RETRY_AFTER_TOO_LONG = "retry-after-too-long"
+    OVERLOADED = "overloaded"
+
+
+@dataclass(frozen=True, slots=True)
+class Constraints:
+    """Facts about the whole sequence that limit resending, fixed when it starts."""
+
+    may_resend: bool = True  # idempotent method, or allowed by non_idempotent
+    body_replayable: bool = True  # body was buffered (<= max_body_bytes)
+    edge_owned: bool = False  # a trusted upstream tier already owns retries
+    killed: bool = False  # a kill switch covers this route
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    delay: float
+    from_retry_after: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    fate: Fate
+
+
+Decision = Retry | Stop
+
+
+def decide(
+    policy: RetryPolicy,
+    outcome: Outcome,
+    attempt: int,
+    previous_delay: float | None,
+    deadline: Deadline,
+    now: float,
+    now_wall: float,
+    rng: Rng,
+    constraints: Constraints = Constraints(),  # noqa: B008 - frozen, shared on purpose
+) -> Decision:
+    """``attempt`` is the number of attempts made so far (1 after the first)."""
+    retryable = is_retryable(policy, outcome)
+    if deadline.expired(now) and (retryable or outcome.kind is not OutcomeKind.RESPONSE):
+        return Stop(Fate.DEADLINE)
+    if not retryable:
+        return Stop(Fate.SUCCESS if is_success(outcome) else Fate.NOT_RETRYABLE)
+    if attempt >= policy.attempts:
+        return Stop(Fate.EXHAUSTED)
+    untouched = nothing_reached_upstream(outcome)
+    if not untouched and not constraints.may_resend:
+        return Stop(Fate.NON_IDEMPOTENT)
+    if not untouched and not constraints.body_replayable:
+        return Stop(Fate.BODY_TOO_LARGE)
+    if constraints.edge_owned and not untouched:
+        return Stop(Fate.EDGE_OWNED)
+    if constraints.killed:
+        return Stop(Fate.KILL_SWITCH)
+
+    remaining = deadline.remaining(now)
+    if (
+        policy.retry_after.honor
+        and outcome.kind is OutcomeKind.RESPONSE
+        and outcome.status in (429, 503)
+    ):
+        wanted = parse_retry_after(outcome.retry_after, now_wall)
+        if wanted is not None:
+            d = min(wanted, policy.retry_after.max)
+            d += rng.uniform(0.0, d * RETRY_AFTER_JITTER)
+            if d >= remaining:
+                return Stop(Fate.RETRY_AFTER_TOO_LONG)
+            return Retry(d, from_retry_after=True)
+
+    d = backoff.delay(policy.backoff, attempt, previous_delay, rng)
+    if d >= remaining:
+        return Stop(Fate.DEADLINE)
+    return Retry(d)

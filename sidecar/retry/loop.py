@@ -1,0 +1,131 @@
+"""The async driver of one retry sequence: attempt, classify, decide, sleep, repeat.
+
+All judgement lives in the pure ``decide``; this module only does I/O and waiting, reading time
+from an injected clock so that drain can cut a backoff sleep short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from sidecar.config.model import Route
+from sidecar.retry.backoff import Rng
+from sidecar.retry.classify import Outcome, OutcomeKind
+from sidecar.retry.deadline import Deadline
+from sidecar.retry.decide import Constraints, Fate, Retry, decide
+from sidecar.telemetry.events import AttemptEnded, EventSink, RetryScheduled
+from sidecar.upstream.client import UpstreamResponse
+from sidecar.upstream.errors import AttemptTimeout, PoolExhausted, UpstreamError
+
+# send(attempt_number, attempt_timeout) -> response; raises UpstreamError or PoolExhausted.
+Send = Callable[[int, float], Awaitable[UpstreamResponse]]
+
+
+class Clock:
+    """Monotonic time for deadlines and wall time for Retry-After dates."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()
+
+
+class RetryGate:
+    """Asked before each retry (not before the first attempt): budget, drain, kill switch."""
+
+    def killed(self) -> bool:
+        return False
+
+    def allow_retry(self) -> bool:
+        return True
+
+    def draining(self) -> bool:
+        return False
+
+    async def sleep(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+
+
+@dataclass(slots=True)
+class SequenceResult:
+    fate: Fate
+    attempts: int
+    response: UpstreamResponse | None = None
+    error: UpstreamError | PoolExhausted | None = None
+
+
+def outcome_of(response: UpstreamResponse) -> Outcome:
+    ra = response.header(b"retry-after")
+    return Outcome(
+        OutcomeKind.RESPONSE,
+        status=response.status,
+        retry_after=ra.decode("latin-1") if ra is not None else None,
+    )
+
+
+async def run_sequence(
+    route: Route,
+    send: Send,
+    deadline: Deadline,
+    constraints: Constraints,
+    clock: Clock,
+    rng: Rng,
+    events: EventSink,
+    gate: RetryGate,
+) -> SequenceResult:
+    policy = route.retry
+    attempt = 0
+    previous_delay: float | None = None
+    while True:
+        attempt += 1
+        now = clock.monotonic()
+        per_try = min(policy.per_try_timeout, deadline.remaining(now))
+        response: UpstreamResponse | None = None
+        error: UpstreamError | PoolExhausted | None = None
+        try:
+            response = await send(attempt, per_try)
+            outcome = outcome_of(response)
+        except PoolExhausted as exc:
+            # Local overload, not the upstream's fault: never retried, never counted as its failure.
+            events.attempt_ended(AttemptEnded(route.name, attempt, "pool-exhausted", 0.0, str(exc)))
+            return SequenceResult(Fate.OVERLOADED, attempt, None, exc)
+        except UpstreamError as exc:
+            error = exc
+            outcome = Outcome(exc.kind, detail=str(exc))
+        end = clock.monotonic()
+        events.attempt_ended(
+            AttemptEnded(
+                route.name, attempt, outcome.label, end - now, str(error) if error else None
+            )
+        )
+        c = constraints
+        if gate.killed() and not c.killed:
+            c = Constraints(c.may_resend, c.body_replayable, c.edge_owned, True)
+        decision = decide(
+            policy, outcome, attempt, previous_delay, deadline, end, clock.wall(), rng, c
+        )
+        if isinstance(decision, Retry) and gate.draining():
+            # Shutting down: no more backoff sleeps; the last result stands.
+            decision_fate: Fate | None = Fate.EXHAUSTED
+        elif isinstance(decision, Retry) and not gate.allow_retry():
+            decision_fate = Fate.BUDGET_EXHAUSTED
+        elif isinstance(decision, Retry):
+            decision_fate = None
+        else:
+            decision_fate = decision.fate
+        if decision_fate is not None:
+            if isinstance(error, AttemptTimeout) and deadline.expired(clock.monotonic()):
+                decision_fate = Fate.DEADLINE
+            return SequenceResult(decision_fate, attempt, response, error)
+        assert isinstance(decision, Retry)
+        if response is not None:
+            response.discard()
+        events.retry_scheduled(
+            RetryScheduled(route.name, attempt + 1, decision.delay, decision.from_retry_after)
+        )
+        previous_delay = decision.delay
+        await gate.sleep(decision.delay)

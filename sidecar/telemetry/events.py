@@ -1,0 +1,82 @@
+"""Event records emitted by the retry core, and the sink interface adapters implement.
+
+The core knows nothing of Prometheus or OpenTelemetry: it calls a sink with plain records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptEnded:
+    route: str
+    attempt: int  # 1-based
+    outcome: str  # a status code or a failure kind (bounded set)
+    duration: float
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceEnded:
+    route: str
+    method: str
+    fate: str
+    attempts: int
+    duration: float
+    status: int  # what the client got
+    proxy_error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RetryScheduled:
+    route: str
+    attempt: int  # the attempt that will follow
+    delay: float
+    from_retry_after: bool
+
+
+class EventSink(Protocol):
+    def attempt_ended(self, event: AttemptEnded) -> None: ...
+
+    def retry_scheduled(self, event: RetryScheduled) -> None: ...
+
+    def sequence_ended(self, event: SequenceEnded) -> None: ...
+
+
+class Fanout:
+    """Forwards each event to every sink registered."""
+
+    def __init__(self) -> None:
+        self.sinks: list[EventSink] = []
+
+    def attempt_ended(self, event: AttemptEnded) -> None:
+        for s in self.sinks:
+            s.attempt_ended(event)
+
+    def retry_scheduled(self, event: RetryScheduled) -> None:
+        for s in self.sinks:
+            s.retry_scheduled(event)
+
+    def sequence_ended(self, event: SequenceEnded) -> None:
+        for s in self.sinks:
+            s.sequence_ended(event)
+
+
+class Recorder:
+    """A sink that keeps every event (tests, the demo's summary)."""
+
+    def __init__(self) -> None:
+        self.attempts: list[AttemptEnded] = []
+        self.retries: list[RetryScheduled] = []
+        self.sequences: list[SequenceEnded] = []
+
+    def attempt_ended(self, event: AttemptEnded) -> None:
+        self.attempts.append(event)
+
+    def retry_scheduled(self, event: RetryScheduled) -> None:
+        self.retries.append(event)
+
+    def sequence_ended(self, event: SequenceEnded) -> None:
+        self.sequences.append(event)

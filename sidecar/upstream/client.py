@@ -1,0 +1,146 @@
+"""Send one request upstream, exactly once, and hand back a streaming response."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from sidecar.upstream.connection import Connection
+from sidecar.upstream.errors import ConnectFailure, UpstreamError, UpstreamReset
+from sidecar.upstream.pool import Pool, PoolSettings, PoolStats
+
+Headers = list[tuple[bytes, bytes]]
+Body = bytes | AsyncIterator[bytes] | None
+
+
+class UpstreamResponse:
+    """A response whose head has arrived; the body streams with ``read_chunk``.
+
+    Exactly one of ``release()`` (after the body was read to its end) or ``discard()`` must be
+    called; both are idempotent.
+    """
+
+    __slots__ = ("_conn", "_done", "_pool", "headers", "status")
+
+    def __init__(self, pool: Pool, conn: Connection) -> None:
+        self._pool = pool
+        self._conn = conn
+        self._done = False
+        self.status = conn.status
+        self.headers = conn.headers
+
+    def header(self, name: bytes) -> bytes | None:
+        lname = name.lower()
+        for k, v in self.headers:
+            if k.lower() == lname:
+                return v
+        return None
+
+    @property
+    def content_length(self) -> int | None:
+        v = self.header(b"content-length")
+        if v is None or not v.strip().isdigit():
+            return None
+        return int(v)
+
+    @property
+    def has_body(self) -> bool:
+        c = self._conn
+        return not (c.head_only or self.status in (204, 304))
+
+    async def read_chunk(self, idle_timeout: float) -> bytes:
+        return await self._conn.read_chunk(idle_timeout)
+
+    def release(self) -> None:
+        if not self._done:
+            self._done = True
+            self._pool.release(self._conn)
+
+    def discard(self) -> None:
+        """Drop the response: the connection is kept only if the body already ended."""
+        if not self._done:
+            self._done = True
+            if not self._conn.complete:
+                self._conn.abort()
+            self._pool.release(self._conn)
+
+
+class UpstreamClient:
+    def __init__(self, settings: PoolSettings | None = None) -> None:
+        self.settings = settings or PoolSettings()
+        self._pools: dict[tuple[str, int], Pool] = {}
+
+    def pool(self, host: str, port: int) -> Pool:
+        key = (host, port)
+        p = self._pools.get(key)
+        if p is None:
+            p = Pool(asyncio.get_running_loop(), host, port, self.settings)
+            self._pools[key] = p
+        return p
+
+    def stats(self) -> dict[str, PoolStats]:
+        return {f"{h}:{p}": pool.stats() for (h, p), pool in self._pools.items()}
+
+    async def request(
+        self,
+        host: str,
+        port: int,
+        head: bytes,
+        body: Body,
+        timeout: float,
+        head_only: bool = False,
+        chunked: bool = False,
+    ) -> UpstreamResponse:
+        """Send ``head`` (request line and headers, ending in a blank line) and ``body``.
+
+        ``timeout`` bounds connecting plus waiting for the response head. The request is sent
+        once: a failure is raised as an UpstreamError for the retry engine to judge, never
+        resent here.
+        """
+        pool = self.pool(host, port)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        conn, _reused = await pool.acquire(timeout)
+        try:
+            conn.begin(head_only)
+            if body is None or isinstance(body, bytes):
+                conn.write(head + body if body else head)
+            else:
+                conn.write(head)
+                await _send_stream(conn, body, chunked)
+            await conn.wait_head(timeout - (loop.time() - started))
+        except UpstreamError:
+            conn.abort()
+            pool.release(conn)
+            raise
+        except OSError as exc:
+            conn.abort()
+            pool.release(conn)
+            raise UpstreamReset(f"sending to upstream failed: {exc}") from None
+        except BaseException:
+            conn.abort()
+            pool.release(conn)
+            raise
+        return UpstreamResponse(pool, conn)
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+
+
+async def _send_stream(conn: Connection, body: AsyncIterator[bytes], chunked: bool) -> None:
+    async for chunk in body:
+        if not chunk:
+            continue
+        if conn.closed:
+            raise conn.error or UpstreamReset("upstream closed while the body was sent")
+        if chunked:
+            conn.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        else:
+            conn.write(chunk)
+        await conn.drain()
+    if chunked:
+        conn.write(b"0\r\n\r\n")
+
+
+__all__ = ["ConnectFailure", "UpstreamClient", "UpstreamResponse"]
