@@ -43,7 +43,13 @@ from sidecar.config.yamlnodes import Located, Path, YamlLoadError, load, path_st
 
 T = TypeVar("T")
 
-BACKOFF_STRATEGIES = ("full_jitter", "equal_jitter", "decorrelated_jitter", "exponential", "constant")
+BACKOFF_STRATEGIES = (
+    "full_jitter",
+    "equal_jitter",
+    "decorrelated_jitter",
+    "exponential",
+    "constant",
+)
 NON_IDEMPOTENT = ("never", "with-idempotency-key", "always")
 RETRY_ON_WORDS = ("connect-failure", "reset", "per-try-timeout")
 HTTP_METHODS = frozenset(
@@ -114,7 +120,9 @@ class _Parser:
             ra = self.mapping(raw["retry_after"], (*path, "retry_after"), ("honor", "max"))
             retry_after = RetryAfter(
                 honor=self.field(ra, "honor", (*path, "retry_after"), _bool, retry_after.honor),
-                max=self.field(ra, "max", (*path, "retry_after"), _positive_duration, retry_after.max),
+                max=self.field(
+                    ra, "max", (*path, "retry_after"), _positive_duration, retry_after.max
+                ),
             )
         policy = RetryPolicy(
             attempts=self.field(raw, "attempts", path, _int_range(1, MAX_ATTEMPTS), base.attempts),
@@ -127,7 +135,9 @@ class _Parser:
             non_idempotent=self.field(
                 raw, "non_idempotent", path, _choice(NON_IDEMPOTENT), base.non_idempotent
             ),
-            max_body_bytes=self.field(raw, "max_body_bytes", path, units.parse_size, base.max_body_bytes),
+            max_body_bytes=self.field(
+                raw, "max_body_bytes", path, units.parse_size, base.max_body_bytes
+            ),
         )
         return policy
 
@@ -144,7 +154,9 @@ class _Parser:
 
     def breaker(self, value: object, path: Path, base: BreakerPolicy) -> BreakerPolicy:
         raw = self.mapping(
-            value, path, ("failure_ratio", "min_sequences", "window", "open_for", "half_open_probes")
+            value,
+            path,
+            ("failure_ratio", "min_sequences", "window", "open_for", "half_open_probes"),
         )
         return BreakerPolicy(
             failure_ratio=self.field(raw, "failure_ratio", path, _ratio, base.failure_ratio),
@@ -194,8 +206,12 @@ class _Parser:
             )
         return RouteDlq(
             enabled=self.field(raw, "enabled", path, _bool, base.enabled),
-            respond=self.field(raw, "respond", path, _choice(("passthrough", "accepted")), base.respond),
-            keep_credentials=self.field(raw, "keep_credentials", path, _bool, base.keep_credentials),
+            respond=self.field(
+                raw, "respond", path, _choice(("passthrough", "accepted")), base.respond
+            ),
+            keep_credentials=self.field(
+                raw, "keep_credentials", path, _bool, base.keep_credentials
+            ),
             max_replays=self.field(raw, "max_replays", path, _int_range(1, 1000), base.max_replays),
             replay_rate=self.field(raw, "replay_rate", path, _positive_number, base.replay_rate),
             redrive=redrive,
@@ -268,7 +284,9 @@ class _Parser:
             max_records=self.field(
                 draw, "max_records", ("dlq",), _int_range(1, 100_000_000), DlqStore().max_records
             ),
-            max_bytes=self.field(draw, "max_bytes", ("dlq",), units.parse_size, DlqStore().max_bytes),
+            max_bytes=self.field(
+                draw, "max_bytes", ("dlq",), units.parse_size, DlqStore().max_bytes
+            ),
         )
         lraw = self.mapping(
             top.get("limits"),
@@ -312,7 +330,9 @@ class _Parser:
 
     def defaults(self, value: object) -> dict[str, Any]:
         path: Path = ("defaults",)
-        raw = self.mapping(value, path, ("timeout", "retry", "breaker", "budget", "bulkhead", "dlq"))
+        raw = self.mapping(
+            value, path, ("timeout", "retry", "breaker", "budget", "bulkhead", "dlq")
+        )
         return self.route_sections(raw, path, _DEFAULT_SECTIONS)
 
     def route_sections(
@@ -348,7 +368,17 @@ class _Parser:
             raw = self.mapping(
                 item,
                 path,
-                ("name", "match", "upstream", "timeout", "retry", "breaker", "budget", "bulkhead", "dlq"),
+                (
+                    "name",
+                    "match",
+                    "upstream",
+                    "timeout",
+                    "retry",
+                    "breaker",
+                    "budget",
+                    "bulkhead",
+                    "dlq",
+                ),
             )
             if not isinstance(item, dict):
                 continue
@@ -363,7 +393,9 @@ class _Parser:
                     seen[name] = i
             upstream = None
             if "upstream" not in raw:
-                self.error((*path, "upstream"), "required: the upstream URL, e.g. http://127.0.0.1:8080")
+                self.error(
+                    (*path, "upstream"), "required: the upstream URL, e.g. http://127.0.0.1:8080"
+                )
             else:
                 upstream = self.field(raw, "upstream", path, _upstream, None)
             match = self.match(raw.get("match"), (*path, "match"))
@@ -541,7 +573,8 @@ def _upstream(value: object) -> Upstream:
     parts = urlsplit(value)
     if parts.scheme != "http":
         raise _Invalid(
-            f"only plain http:// upstreams are supported (a sidecar talks to its local app); got {value!r}"
+            "only plain http:// upstreams are supported (a sidecar talks to its local app); "
+            f"got {value!r}"
         )
     if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
         raise _Invalid(f"the upstream URL must be scheme://host:port only, got {value!r}")
@@ -633,7 +666,9 @@ def parse_file(path: str) -> Config:
     try:
         raw = FsPath(path).read_bytes()
     except OSError as exc:
-        raise ConfigError(path, [ConfigIssue(0, "<file>", f"cannot read: {exc.strerror}")]) from None
+        raise ConfigError(
+            path, [ConfigIssue(0, "<file>", f"cannot read: {exc.strerror}")]
+        ) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -87,7 +87,9 @@ def _convert(node: yaml.Node, path: Path, lines: dict[Path, int], budget: list[i
                 raise YamlLoadError(key_node.start_mark.line + 1, "mapping keys must be scalars")
             key = str(key_node.value)
             if key == "<<":
-                raise YamlLoadError(key_node.start_mark.line + 1, "merge keys ('<<') are not supported")
+                raise YamlLoadError(
+                    key_node.start_mark.line + 1, "merge keys ('<<') are not supported"
+                )
             child = (*path, key)
             if key in out:
                 raise YamlLoadError(

@@ -29,7 +29,13 @@ REFRAMED = frozenset({b"content-length", b"expect"})
 # The sidecar's own request headers: read only from trusted peers, always re-set.
 OWN_REQUEST = frozenset({b"x-retry-attempt", b"x-retry-edge", b"x-request-timeout-ms"})
 OWN_RESPONSE = frozenset(
-    {b"x-retry-attempts", b"x-retry-fate", b"x-retry-proxy-error", b"x-retry-dlq", b"x-retry-dlq-id"}
+    {
+        b"x-retry-attempts",
+        b"x-retry-fate",
+        b"x-retry-proxy-error",
+        b"x-retry-dlq",
+        b"x-retry-dlq-id",
+    }
 )
 TRACESTATE_KEY = b"retry-sidecar"
 EDGE_MEMBER = TRACESTATE_KEY + b"=edge"
@@ -97,8 +103,10 @@ def request_headers(
             continue
         out.append((k, v))
     members = [m for m in _split_tracestate(tracestate) if not m.startswith(TRACESTATE_KEY + b"=")]
-    if trusted and edge is None and any(
-        m.strip() == EDGE_MEMBER for m in _split_tracestate(tracestate)
+    if (
+        trusted
+        and edge is None
+        and any(m.strip() == EDGE_MEMBER for m in _split_tracestate(tracestate))
     ):
         edge = b"tracestate"
     if members:

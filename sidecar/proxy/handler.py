@@ -6,6 +6,7 @@ It is deliberately thin: routing and header rules are pure functions in ``routin
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import random
@@ -24,6 +25,7 @@ from sidecar.retry.deadline import Deadline, parse_timeout_ms
 from sidecar.retry.decide import Constraints, Fate
 from sidecar.retry.loop import Clock, RetryGate, SequenceResult, run_sequence
 from sidecar.telemetry.events import EventSink, SequenceEnded
+from sidecar.telemetry.logs import RateLimit
 from sidecar.upstream.client import Body, UpstreamClient, UpstreamResponse
 from sidecar.upstream.errors import PoolExhausted, UpstreamError
 
@@ -92,8 +94,20 @@ async def _rest(request: web.BaseRequest, prefix: bytes, max_total: int) -> Asyn
 class ProxyHandler:
     def __init__(self, deps: ProxyDeps) -> None:
         self.deps = deps
+        self._internal_errors = RateLimit(per_interval=5, interval=60.0)
 
     async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+        try:
+            return await self._handle(request)
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception:
+            # A bug must not become a traceback per request: one bounded log line, a clean 502.
+            if self._internal_errors.allow():
+                log.exception("internal error while proxying %s", request.method)
+            return proxy_error(502, "internal", "internal error in the sidecar", "exhausted", 0)
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         deps = self.deps
         config: Config = deps.store.current  # one snapshot for the whole sequence
         if request.version[0] != 1 or request.version[1] not in (0, 1):

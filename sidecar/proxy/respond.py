@@ -24,7 +24,9 @@ class ProxyResponse(web.StreamResponse):
                 del self.headers[name]
 
 
-def proxy_error(status: int, code: str, message: str, fate: Fate | str, attempts: int) -> web.Response:
+def proxy_error(
+    status: int, code: str, message: str, fate: Fate | str, attempts: int
+) -> web.Response:
     """A response made by the sidecar itself (DESIGN.md section 4)."""
     fate_s = fate.value if isinstance(fate, Fate) else fate
     body = json.dumps({"error": message, "fate": fate_s, "attempts": attempts}).encode()

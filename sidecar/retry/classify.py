@@ -29,7 +29,7 @@ class Outcome:
         """A bounded word for metrics and spans: a status code or the failure kind."""
         if self.kind is OutcomeKind.RESPONSE:
             return str(self.status)
-        return self.kind.value
+        return str(self.kind.value)
 
 
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})

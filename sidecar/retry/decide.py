@@ -8,7 +8,7 @@ driver (``loop.py``) does the I/O and the sleeping.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from sidecar.config.model import RetryPolicy
 from sidecar.retry import backoff
@@ -28,7 +28,7 @@ from sidecar.retry.retry_after import parse_retry_after
 RETRY_AFTER_JITTER = 0.1
 
 
-class Fate(str, Enum):
+class Fate(StrEnum):
     """Why a sequence stopped (the ``x-retry-fate`` header)."""
 
     SUCCESS = "success"
@@ -78,7 +78,7 @@ def decide(
     now: float,
     now_wall: float,
     rng: Rng,
-    constraints: Constraints = Constraints(),  # noqa: B008 - frozen, shared on purpose
+    constraints: Constraints = Constraints(),
 ) -> Decision:
     """``attempt`` is the number of attempts made so far (1 after the first)."""
     retryable = is_retryable(policy, outcome)

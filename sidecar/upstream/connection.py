@@ -38,9 +38,9 @@ class Connection(asyncio.Protocol):
         "complete",
         "eof_delimited",
         "error",
+        "head_only",
         "headers",
         "headers_done",
-        "head_only",
         "idle_handle",
         "keep_alive",
         "key",
@@ -83,8 +83,8 @@ class Connection(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports do not subclass asyncio.Transport, so no isinstance check here.
+        self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         if self._parser is None or self.complete:

@@ -1,0 +1,138 @@
+"""The ``retry-sidecar`` command line (DESIGN.md section 6)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+from sidecar import __version__
+from sidecar.config.errors import ConfigError
+from sidecar.config.model import Config
+from sidecar.config.parse import parse_file
+
+DEFAULT_CONFIG = "config/sidecar.yaml"
+log = logging.getLogger("sidecar")
+
+
+def default_config_path() -> str:
+    return os.environ.get("RETRY_SIDECAR_CONFIG") or DEFAULT_CONFIG
+
+
+def _load_or_exit(path: str) -> Config:
+    try:
+        return parse_file(path)
+    except ConfigError as exc:
+        for line in exc.lines():
+            print(line, file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    path = args.path or args.config or default_config_path()
+    try:
+        config = parse_file(path)
+    except ConfigError as exc:
+        for line in exc.lines():
+            print(line)
+        return 1
+    n = len(config.routes)
+    print(f"OK: {n} route{'s' if n != 1 else ''}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from sidecar.app import Sidecar, c_parser_in_use
+    from sidecar.telemetry import logs
+
+    logs.setup(args.log_level)
+    config = _load_or_exit(args.config or default_config_path())
+    if not c_parser_in_use() and not args.allow_python_parser:
+        print(
+            "error: aiohttp's C HTTP parser is not in use (AIOHTTP_NO_EXTENSIONS set, or no "
+            "compiled wheel); its pure-Python fallback has had request-smuggling advisories. "
+            "Install a compiled aiohttp or pass --allow-python-parser.",
+            file=sys.stderr,
+        )
+        return 2
+
+    async def main() -> int:
+        sidecar = Sidecar(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await sidecar.start()
+        except OSError as exc:
+            print(f"error: cannot listen: {exc}", file=sys.stderr)
+            return 1
+        await stop.wait()
+        log.info("shutting down")
+        await sidecar.stop()
+        return 0
+
+    return _run_loop(main())
+
+
+def _run_loop(coro: Coroutine[Any, Any, int]) -> int:
+    import uvloop
+
+    result: int = uvloop.run(coro)
+    return result
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from sidecar.demo import run_demo
+
+    return _run_loop(run_demo(requests=args.requests, seed=args.seed))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="retry-sidecar", description="An HTTP reverse proxy that does retries right."
+    )
+    p.add_argument("--version", action="version", version=f"retry-sidecar {__version__}")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--config",
+        help=f"config file (default: $RETRY_SIDECAR_CONFIG, else {DEFAULT_CONFIG})",
+    )
+    sub = p.add_subparsers(dest="verb", required=True)
+
+    run = sub.add_parser("run", parents=[common], help="run the proxy")
+    run.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    run.add_argument(
+        "--allow-python-parser",
+        action="store_true",
+        help="run even if aiohttp's C parser is missing (not recommended)",
+    )
+    run.set_defaults(func=cmd_run)
+
+    val = sub.add_parser("validate", parents=[common], help="check a config file")
+    val.add_argument("path", nargs="?", help="the file to check")
+    val.set_defaults(func=cmd_validate)
+
+    demo = sub.add_parser(
+        "demo", parents=[common], help="a flaky upstream, a sidecar, a burst of traffic"
+    )
+    demo.add_argument(
+        "--requests",
+        type=int,
+        default=100,
+        help="requests per endpoint, direct and via the sidecar",
+    )
+    demo.add_argument("--seed", type=int, default=None, help="seed for the flaky upstream")
+    demo.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args))

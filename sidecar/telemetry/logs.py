@@ -1,0 +1,58 @@
+"""Structured JSON logs on stderr, and a rate limiter for warnings that a client can trigger."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, object] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        extra = getattr(record, "fields", None)
+        if isinstance(extra, dict):
+            out.update(extra)
+        if record.exc_info and record.levelno >= logging.ERROR:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup(level: str = "info") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # aiohttp logs a traceback at ERROR for every malformed request (DESIGN.md section 8);
+    # the sidecar counts and rate-limits those itself.
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+class RateLimit:
+    """At most ``per_interval`` events per ``interval`` seconds; counts the ones suppressed."""
+
+    def __init__(self, per_interval: int = 10, interval: float = 60.0) -> None:
+        self.per_interval = per_interval
+        self.interval = interval
+        self._window_start = 0.0
+        self._count = 0
+        self.suppressed = 0
+
+    def allow(self, now: float | None = None) -> bool:
+        t = time.monotonic() if now is None else now
+        if t - self._window_start >= self.interval:
+            self._window_start = t
+            self._count = 0
+        self._count += 1
+        if self._count <= self.per_interval:
+            return True
+        self.suppressed += 1
+        return False
