@@ -7,7 +7,6 @@ Strategies follow the AWS Architecture Blog "Exponential Backoff and Jitter". Ev
 
 from __future__ import annotations
 
-import math
 import random
 from typing import Protocol
 
@@ -25,9 +24,9 @@ def exponential_ceiling(policy: Backoff, retry_number: int) -> float:
     n = max(0, retry_number - 1)
     if policy.max <= policy.base:
         return policy.max
-    # Past this exponent the product is already above max: clamp before computing 2**n.
-    limit = math.ceil(math.log2(policy.max / policy.base)) + 1
-    if n >= limit:
+    # 2.0**n overflows past 1023: clamp the exponent first. A product that overflows to inf
+    # (huge base times 2**1023) is harmless: min() brings it back to max.
+    if n > 1023:
         return policy.max
     return min(policy.max, policy.base * (2.0**n))
 
