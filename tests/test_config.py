@@ -70,33 +70,62 @@ routes:
     )
     assert "c.yaml:4: defaults.retry.attempts: must be from 1 to 10, got 0" in lines
     assert any(line.startswith("c.yaml:5: defaults.retry.backof: unknown key") for line in lines)
-    assert any(line.startswith("c.yaml:12: routes[1].retry.per_try_timeout: expected a duration")
-               for line in lines)
-    assert any(line.startswith("c.yaml:13: routes[1].retry.retry_on: unknown retry condition")
-               for line in lines)
+    assert any(
+        line.startswith("c.yaml:12: routes[1].retry.per_try_timeout: expected a duration")
+        for line in lines
+    )
+    assert any(
+        line.startswith("c.yaml:13: routes[1].retry.retry_on: unknown retry condition")
+        for line in lines
+    )
 
 
 @pytest.mark.parametrize(
     ("snippet", "path", "fragment"),
     [
-        ("  - name: a\n    upstream: http://h:1\n    timeout: soon\n", "routes[0].timeout", "duration"),
-        ("  - name: a\n    match: {path_regex: '(['}\n    upstream: http://h:1\n",
-         "routes[0].match.path_regex", "invalid regular expression"),
+        (
+            "  - name: a\n    upstream: http://h:1\n    timeout: soon\n",
+            "routes[0].timeout",
+            "duration",
+        ),
+        (
+            "  - name: a\n    match: {path_regex: '(['}\n    upstream: http://h:1\n",
+            "routes[0].match.path_regex",
+            "invalid regular expression",
+        ),
         ("  - name: a\n", "routes[0].upstream", "required"),
-        ("  - name: a\n    upstream: http://h:1\n  - name: a\n    upstream: http://h:1\n",
-         "routes[1].name", "duplicate route name"),
+        (
+            "  - name: a\n    upstream: http://h:1\n  - name: a\n    upstream: http://h:1\n",
+            "routes[1].name",
+            "duplicate route name",
+        ),
         ("  - name: 'has space'\n    upstream: http://h:1\n", "routes[0].name", "letters"),
         ("  - name: a\n    upstream: ftp://h:1\n", "routes[0].upstream", "http://"),
-        ("  - name: a\n    upstream: http://h:1\n    match: {methods: [FETCH]}\n",
-         "routes[0].match.methods", "unknown HTTP method"),
-        ("  - name: a\n    upstream: http://h:1\n    retry: {backoff: {strategy: random}}\n",
-         "routes[0].retry.backoff.strategy", "must be one of"),
-        ("  - name: a\n    upstream: http://h:1\n    retry: {non_idempotent: sometimes}\n",
-         "routes[0].retry.non_idempotent", "must be one of"),
-        ("  - name: a\n    upstream: http://h:1\n    breaker: {failure_ratio: 2}\n",
-         "routes[0].breaker.failure_ratio", "at most 1"),
-        ("  - name: a\n    upstream: http://h:1\n    retry: {max_body_bytes: lots}\n",
-         "routes[0].retry.max_body_bytes", "size"),
+        (
+            "  - name: a\n    upstream: http://h:1\n    match: {methods: [FETCH]}\n",
+            "routes[0].match.methods",
+            "unknown HTTP method",
+        ),
+        (
+            "  - name: a\n    upstream: http://h:1\n    retry: {backoff: {strategy: random}}\n",
+            "routes[0].retry.backoff.strategy",
+            "must be one of",
+        ),
+        (
+            "  - name: a\n    upstream: http://h:1\n    retry: {non_idempotent: sometimes}\n",
+            "routes[0].retry.non_idempotent",
+            "must be one of",
+        ),
+        (
+            "  - name: a\n    upstream: http://h:1\n    breaker: {failure_ratio: 2}\n",
+            "routes[0].breaker.failure_ratio",
+            "at most 1",
+        ),
+        (
+            "  - name: a\n    upstream: http://h:1\n    retry: {max_body_bytes: lots}\n",
+            "routes[0].retry.max_body_bytes",
+            "size",
+        ),
     ],
 )
 def test_each_kind_of_mistake_is_caught(snippet, path, fragment):
@@ -111,7 +140,9 @@ def test_missing_routes_version_and_empty_file():
 
 
 def test_unknown_top_level_key_and_bad_yaml():
-    assert any("c.yaml:2: listn: unknown key" in line for line in errors_of("version: 1\nlistn: x\n"))
+    assert any(
+        "c.yaml:2: listn: unknown key" in line for line in errors_of("version: 1\nlistn: x\n")
+    )
     lines = errors_of("version: 1\nroutes: [\n")
     assert lines[0].startswith("c.yaml:") and "invalid YAML" in lines[0]
 
@@ -121,7 +152,9 @@ def test_alias_bomb_is_refused_quickly():
     prev = "a"
     for i in range(12):
         name = f"b{i}"
-        bomb += f"{name}: &{name} [*{prev},*{prev},*{prev},*{prev},*{prev},*{prev},*{prev},*{prev}]\n"
+        bomb += (
+            f"{name}: &{name} [*{prev},*{prev},*{prev},*{prev},*{prev},*{prev},*{prev},*{prev}]\n"
+        )
         prev = name
     lines = errors_of(bomb)
     assert any("alias bomb" in line for line in lines)
@@ -144,7 +177,9 @@ def test_validate_cli_ok_and_error_format(tmp_path):
     )
     assert ok.returncode == 0 and ok.stdout.strip() == "OK: 2 routes"
     bad = tmp_path / "bad.yaml"
-    bad.write_text("version: 1\nroutes:\n  - name: a\n    upstream: http://h:1\n    retry: {attempts: 99}\n")
+    bad.write_text(
+        "version: 1\nroutes:\n  - name: a\n    upstream: http://h:1\n    retry: {attempts: 99}\n"
+    )
     res = subprocess.run(
         [sys.executable, "-m", "sidecar", "validate", str(bad)], capture_output=True, text=True
     )
@@ -153,5 +188,7 @@ def test_validate_cli_ok_and_error_format(tmp_path):
 
 
 def test_version_flag():
-    res = subprocess.run([sys.executable, "-m", "sidecar", "--version"], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "sidecar", "--version"], capture_output=True, text=True
+    )
     assert res.returncode == 0 and res.stdout.startswith("retry-sidecar ")

@@ -1,7 +1,7 @@
 """The decide step, with a fake clock and a fixed RNG: no sleeping, no I/O."""
 
-from email.utils import format_datetime
 from datetime import UTC, datetime
+from email.utils import format_datetime
 
 import pytest
 from hypothesis import given
@@ -29,7 +29,10 @@ RESET = Outcome(OutcomeKind.RESET)
 TIMEOUT = Outcome(OutcomeKind.PER_TRY_TIMEOUT)
 
 
-def run(outcome, attempt=1, policy=POLICY, deadline=LONG, c=Constraints(), rng=0.5, prev=None):
+NO_LIMITS = Constraints()
+
+
+def run(outcome, attempt=1, policy=POLICY, deadline=LONG, c=NO_LIMITS, rng=0.5, prev=None):
     return decide(policy, outcome, attempt, prev, deadline, NOW, WALL, FixedRng(rng), c)
 
 
@@ -46,8 +49,8 @@ def test_status_not_in_retry_on_is_not_retryable():
 
 @pytest.mark.parametrize("outcome", [resp(502), resp(503), resp(504), CONNECT, RESET, TIMEOUT])
 def test_retryable_outcomes_retry_with_backoff(outcome):
-    assert run(outcome, attempt=1) == Retry(pytest.approx(0.1))
-    assert run(outcome, attempt=2) == Retry(pytest.approx(0.2))
+    assert run(outcome, attempt=1) == Retry(pytest.approx(0.1))  # type: ignore[arg-type]
+    assert run(outcome, attempt=2) == Retry(pytest.approx(0.2))  # type: ignore[arg-type]
 
 
 def test_conditions_are_per_policy():
