@@ -1,0 +1,62 @@
+"""Start the real ``retry-sidecar`` process for tests, and stop it by PID."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class SidecarProcess:
+    def __init__(self, config_path: Path, env: dict[str, str] | None = None) -> None:
+        self.config_path = config_path
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sidecar", "run", "--config", str(self.config_path)],
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+
+    async def wait_port(self, port: int, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                raise RuntimeError(f"sidecar exited with {self.proc.returncode}: {err}")
+            try:
+                _, w = await asyncio.open_connection("127.0.0.1", port)
+                w.close()
+                return
+            except OSError:
+                await asyncio.sleep(0.05)
+        raise TimeoutError(f"sidecar did not listen on {port}")
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def stderr(self) -> str:
+        assert self.proc is not None and self.proc.stderr is not None
+        return self.proc.stderr.read().decode()
