@@ -1,4 +1,4 @@
-"""The proxy handler: route, read the body, run the retry sequence, stream the answer back.
+"""The proxy handler: route, read the body, admit, run the retry sequence, answer.
 
 It is deliberately thin: routing and header rules are pure functions in ``routing`` and
 ``forward``; retry judgement is in ``sidecar.retry``; upstream I/O is in ``sidecar.upstream``.
@@ -9,25 +9,31 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import math
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from aiohttp import web
 
+from sidecar.admin.killswitch import KillSwitch
 from sidecar.config.model import Config, IpNetwork, Route
 from sidecar.config.store import ConfigStore
+from sidecar.lifecycle import Lifecycle
 from sidecar.proxy import forward
+from sidecar.proxy.gate import SequenceGate
 from sidecar.proxy.respond import ProxyResponse, client_error, proxy_error
 from sidecar.proxy.routing import find_route
-from sidecar.retry.classify import may_resend
+from sidecar.retry.breaker import Admitted
+from sidecar.retry.classify import may_resend, sequence_failed
 from sidecar.retry.deadline import Deadline, parse_timeout_ms
 from sidecar.retry.decide import Constraints, Fate
-from sidecar.retry.loop import Clock, RetryGate, SequenceResult, run_sequence
+from sidecar.retry.loop import Clock, SequenceResult, run_sequence
+from sidecar.retry.routestate import RouteStates
 from sidecar.telemetry.events import EventSink, SequenceEnded
 from sidecar.telemetry.logs import RateLimit
 from sidecar.upstream.client import Body, UpstreamClient, UpstreamResponse
-from sidecar.upstream.errors import PoolExhausted, UpstreamError
+from sidecar.upstream.errors import UpstreamError
 
 log = logging.getLogger("sidecar.proxy")
 
@@ -41,7 +47,9 @@ class ProxyDeps:
     clock: Clock
     rng: random.Random
     events: EventSink
-    gate: RetryGate
+    states: RouteStates
+    kill: KillSwitch
+    life: Lifecycle
 
 
 def peer_of(request: web.BaseRequest) -> str:
@@ -128,7 +136,8 @@ class ProxyHandler:
         peer = peer_of(request)
         trusted = is_trusted(peer, config.trusted_peers)
         shared, edge, timeout_ms = forward.request_headers(list(request.raw_headers), peer, trusted)
-        start = deps.clock.monotonic()
+        clock = deps.clock
+        start = clock.monotonic()
         deadline = Deadline.start(start, route.timeout, parse_timeout_ms(_s(timeout_ms)))
 
         # Body: buffered up to max_body_bytes so it can be resent; streamed once beyond.
@@ -151,6 +160,22 @@ class ProxyHandler:
         elif method in ("POST", "PUT", "PATCH"):
             shared.append((b"Content-Length", b"0"))
 
+        # Admission: the breaker is asked once per sequence, the budget counts the request.
+        state = deps.states.get(route.name)
+        now = clock.monotonic()
+        admission = state.breaker.admit(now)
+        if not isinstance(admission, Admitted):
+            resp = proxy_error(
+                503,
+                "breaker-open",
+                f"circuit breaker of route {route.name} is open",
+                Fate.BREAKER_OPEN,
+                0,
+            )
+            resp.headers["Retry-After"] = str(max(1, math.ceil(admission.retry_after)))
+            return self._finish(request, route, start, resp, Fate.BREAKER_OPEN, 0, "breaker-open")
+        state.budget.record_request(now)
+
         edge_name = edge if edge is not None and edge != b"tracestate" else config.name.encode()
         shared.append((b"x-retry-edge", edge_name))
         shared = forward.with_edge_tracestate(shared)
@@ -158,31 +183,50 @@ class ProxyHandler:
         head_only = method == "HEAD"
         host, port = route.upstream.host, route.upstream.port
         client = deps.client
-        clock = deps.clock
+        bulkhead = state.bulkhead
 
         async def send(attempt: int, timeout: float) -> UpstreamResponse:
+            await bulkhead.acquire()
             remaining = deadline.remaining_ms(clock.monotonic())
             head = head_base + b"x-retry-attempt: %d\r\nx-request-timeout-ms: %d\r\n\r\n" % (
                 attempt,
                 remaining,
             )
-            return await client.request(host, port, head, body, timeout, head_only, chunked)
+            try:
+                up = await client.request(host, port, head, body, timeout, head_only, chunked)
+            except BaseException:
+                bulkhead.release()
+                raise
+            up.on_done = bulkhead.release
+            return up
 
+        gate = SequenceGate(route.name, state, deps.kill, deps.life, clock)
         idem = request.headers.get("Idempotency-Key") is not None
         constraints = Constraints(
             may_resend=may_resend(route.retry, method, idem),
             body_replayable=replayable,
             edge_owned=edge is not None,
-            killed=deps.gate.killed(),
+            killed=gate.killed(),
         )
         try:
             result = await run_sequence(
-                route, send, deadline, constraints, clock, deps.rng, deps.events, deps.gate
+                route, send, deadline, constraints, clock, deps.rng, deps.events, gate
             )
         except BodyTooLarge as exc:
+            state.breaker.record(clock.monotonic(), True, admission.probe, clock.wall())
             return self._finish(
                 request, route, start, client_error(413, str(exc)), Fate.NOT_RETRYABLE, 1
             )
+        except BaseException:
+            state.breaker.record(clock.monotonic(), True, admission.probe, clock.wall())
+            raise
+        if result.fate is not Fate.OVERLOADED:
+            failed = sequence_failed(route.retry, result.response_status, result.error is not None)
+            state.breaker.record(clock.monotonic(), not failed, admission.probe, clock.wall())
+        elif admission.probe:
+            # The probe never reached the upstream: it says nothing either way; let it count
+            # as a success so that the half-open state cannot wedge on local overload.
+            state.breaker.record(clock.monotonic(), True, True, clock.wall())
         return await self._answer(request, route, start, result)
 
     def _finish(
@@ -270,6 +314,3 @@ def _cut(request: web.BaseRequest, resp: web.StreamResponse) -> None:
 
 def _s(v: bytes | None) -> str | None:
     return v.decode("latin-1") if v is not None else None
-
-
-__all__ = ["PoolExhausted", "ProxyDeps", "ProxyHandler"]

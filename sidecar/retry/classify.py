@@ -66,3 +66,12 @@ def may_resend(policy: RetryPolicy, method: str, has_idempotency_key: bool) -> b
 def nothing_reached_upstream(outcome: Outcome) -> bool:
     """A connect failure: no byte of the request left this process, any method may be retried."""
     return outcome.kind is OutcomeKind.CONNECT_FAILURE
+
+
+def sequence_failed(policy: RetryPolicy, final_status: int | None, errored: bool) -> bool:
+    """The one breaker event of a sequence: failed when it ended on an upstream error, a 5xx,
+    or a status the policy treats as retryable (429 when listed). 4xx answers are the
+    upstream working as intended."""
+    if errored or final_status is None:
+        return True
+    return final_status >= 500 or final_status in policy.retry_on.statuses

@@ -42,7 +42,8 @@ class Fate(StrEnum):
     DEADLINE = "deadline"
     EDGE_OWNED = "edge-owned"
     RETRY_AFTER_TOO_LONG = "retry-after-too-long"
-    OVERLOADED = "overloaded"
+    OVERLOADED = "overloaded"  # bulkhead or connection pool full: the upstream was not asked
+    DRAINING = "draining"  # the sidecar is shutting down and made no further retry
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from sidecar.config.model import Route
 from sidecar.retry.backoff import Rng
@@ -18,9 +19,9 @@ from sidecar.retry.deadline import Deadline
 from sidecar.retry.decide import Constraints, Fate, Retry, decide
 from sidecar.telemetry.events import AttemptEnded, EventSink, RetryScheduled
 from sidecar.upstream.client import UpstreamResponse
-from sidecar.upstream.errors import AttemptTimeout, PoolExhausted, UpstreamError
+from sidecar.upstream.errors import AttemptTimeout, LocalOverload, UpstreamError
 
-# send(attempt_number, attempt_timeout) -> response; raises UpstreamError or PoolExhausted.
+# send(attempt_number, attempt_timeout) -> response; raises UpstreamError or LocalOverload.
 Send = Callable[[int, float], Awaitable[UpstreamResponse]]
 
 
@@ -34,8 +35,20 @@ class Clock:
         return time.time()
 
 
-class RetryGate:
-    """Asked before each retry (not before the first attempt): budget, drain, kill switch."""
+class RetryGate(Protocol):
+    """Asked during a sequence: kill switch, budget, drain; and does the backoff sleep."""
+
+    def killed(self) -> bool: ...
+
+    def allow_retry(self) -> bool: ...
+
+    def draining(self) -> bool: ...
+
+    async def sleep(self, delay: float) -> None: ...
+
+
+class OpenGate:
+    """No switch, no budget, no drain: plain sleeping (tests and tools)."""
 
     def killed(self) -> bool:
         return False
@@ -55,7 +68,11 @@ class SequenceResult:
     fate: Fate
     attempts: int
     response: UpstreamResponse | None = None
-    error: UpstreamError | PoolExhausted | None = None
+    error: UpstreamError | LocalOverload | None = None
+
+    @property
+    def response_status(self) -> int | None:
+        return self.response.status if self.response is not None else None
 
 
 def outcome_of(response: UpstreamResponse) -> Outcome:
@@ -85,13 +102,14 @@ async def run_sequence(
         now = clock.monotonic()
         per_try = min(policy.per_try_timeout, deadline.remaining(now))
         response: UpstreamResponse | None = None
-        error: UpstreamError | PoolExhausted | None = None
+        error: UpstreamError | None = None
         try:
             response = await send(attempt, per_try)
             outcome = outcome_of(response)
-        except PoolExhausted as exc:
-            # Local overload, not the upstream's fault: never retried, never counted as its failure.
-            events.attempt_ended(AttemptEnded(route.name, attempt, "pool-exhausted", 0.0, str(exc)))
+        except LocalOverload as exc:
+            # No room in the sidecar (bulkhead or pool): the upstream was not asked, so this is
+            # not retried here and not counted as the upstream's failure.
+            events.attempt_ended(AttemptEnded(route.name, attempt, exc.code, 0.0, str(exc)))
             return SequenceResult(Fate.OVERLOADED, attempt, None, exc)
         except UpstreamError as exc:
             error = exc
@@ -110,7 +128,7 @@ async def run_sequence(
         )
         if isinstance(decision, Retry) and gate.draining():
             # Shutting down: no more backoff sleeps; the last result stands.
-            decision_fate: Fate | None = Fate.EXHAUSTED
+            decision_fate: Fate | None = Fate.DRAINING
         elif isinstance(decision, Retry) and not gate.allow_retry():
             decision_fate = Fate.BUDGET_EXHAUSTED
         elif isinstance(decision, Retry):

@@ -37,12 +37,21 @@ class RetryScheduled:
     from_retry_after: bool
 
 
+@dataclass(frozen=True, slots=True)
+class BreakerTransitioned:
+    route: str
+    frm: str
+    to: str
+
+
 class EventSink(Protocol):
     def attempt_ended(self, event: AttemptEnded) -> None: ...
 
     def retry_scheduled(self, event: RetryScheduled) -> None: ...
 
     def sequence_ended(self, event: SequenceEnded) -> None: ...
+
+    def breaker_transitioned(self, event: BreakerTransitioned) -> None: ...
 
 
 class Fanout:
@@ -63,6 +72,10 @@ class Fanout:
         for s in self.sinks:
             s.sequence_ended(event)
 
+    def breaker_transitioned(self, event: BreakerTransitioned) -> None:
+        for s in self.sinks:
+            s.breaker_transitioned(event)
+
 
 class Recorder:
     """A sink that keeps every event (tests, the demo's summary)."""
@@ -71,6 +84,7 @@ class Recorder:
         self.attempts: list[AttemptEnded] = []
         self.retries: list[RetryScheduled] = []
         self.sequences: list[SequenceEnded] = []
+        self.transitions: list[BreakerTransitioned] = []
 
     def attempt_ended(self, event: AttemptEnded) -> None:
         self.attempts.append(event)
@@ -80,3 +94,6 @@ class Recorder:
 
     def sequence_ended(self, event: SequenceEnded) -> None:
         self.sequences.append(event)
+
+    def breaker_transitioned(self, event: BreakerTransitioned) -> None:
+        self.transitions.append(event)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from sidecar.upstream.connection import Connection
 from sidecar.upstream.errors import ConnectFailure, UpstreamError, UpstreamReset
@@ -20,12 +20,13 @@ class UpstreamResponse:
     called; both are idempotent.
     """
 
-    __slots__ = ("_conn", "_done", "_pool", "headers", "status")
+    __slots__ = ("_conn", "_done", "_pool", "headers", "on_done", "status")
 
     def __init__(self, pool: Pool, conn: Connection) -> None:
         self._pool = pool
         self._conn = conn
         self._done = False
+        self.on_done: Callable[[], None] | None = None  # e.g. give back a bulkhead slot
         self.status = conn.status
         self.headers = conn.headers
 
@@ -55,6 +56,8 @@ class UpstreamResponse:
         if not self._done:
             self._done = True
             self._pool.release(self._conn)
+            if self.on_done is not None:
+                self.on_done()
 
     def discard(self) -> None:
         """Drop the response: the connection is kept only if the body already ended."""
@@ -63,6 +66,8 @@ class UpstreamResponse:
             if not self._conn.complete:
                 self._conn.abort()
             self._pool.release(self._conn)
+            if self.on_done is not None:
+                self.on_done()
 
 
 class UpstreamClient:

@@ -33,8 +33,20 @@ class AttemptTimeout(UpstreamError):
     status = 504
 
 
-class PoolExhausted(Exception):
+class LocalOverload(Exception):
+    """The sidecar itself has no room for the attempt; the upstream was not asked."""
+
+    code = "overloaded"
+    status = 503
+
+
+class PoolExhausted(LocalOverload):
     """Every pooled connection to the upstream stayed busy for the whole pool wait."""
 
     code = "pool-exhausted"
-    status = 503
+
+
+class Overloaded(LocalOverload):
+    """The route's bulkhead stayed full for its whole queue timeout."""
+
+    code = "overloaded"

@@ -1,0 +1,1 @@
+"""The admin side: its own listener, the kill switch, reload, health."""
