@@ -16,7 +16,9 @@ async def test_run_proxies_with_retries_and_exits_cleanly_on_sigterm(upstream_fa
     up = await upstream_factory(reply(502, b"bad gateway"), reply(200, b"through the process"))
     port = free_port()
     cfg = tmp_path / "sidecar.yaml"
-    cfg.write_text(routes_yaml(up.url).replace('listen: "127.0.0.1:0"', f'listen: "127.0.0.1:{port}"'))
+    cfg.write_text(
+        routes_yaml(up.url).replace('listen: "127.0.0.1:0"', f'listen: "127.0.0.1:{port}"')
+    )
     proc = SidecarProcess(cfg)
     proc.start()
     try:
@@ -34,7 +36,9 @@ async def test_run_proxies_with_retries_and_exits_cleanly_on_sigterm(upstream_fa
 
 def test_run_refuses_an_invalid_config(tmp_path):
     cfg = tmp_path / "bad.yaml"
-    cfg.write_text("version: 1\nroutes:\n  - name: a\n    upstream: http://h:1\n    timeout: forever\n")
+    cfg.write_text(
+        "version: 1\nroutes:\n  - name: a\n    upstream: http://h:1\n    timeout: forever\n"
+    )
     res = subprocess.run(
         [sys.executable, "-m", "sidecar", "run", "--config", str(cfg)],
         capture_output=True,
@@ -66,7 +70,9 @@ def test_demo_shows_retries_turning_failures_into_successes():
         timeout=60,
     )
     assert res.returncode == 0, res.stderr
-    rows = {line.split()[0]: line.split() for line in res.stdout.splitlines() if line.startswith("/")}
+    rows = {
+        line.split()[0]: line.split() for line in res.stdout.splitlines() if line.startswith("/")
+    }
     assert set(rows) == {"/flaky", "/reset", "/slow", "/busy"}
     for path, cols in rows.items():
         direct = float(next(c for c in cols if c.endswith("%")).rstrip("%"))
