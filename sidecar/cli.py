@@ -46,6 +46,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    from sidecar.explain import explain
+
+    path = args.path or args.config or default_config_path()
+    try:
+        config = parse_file(path)
+    except ConfigError as exc:
+        for line in exc.lines():
+            print(line)
+        return 1
+    print(explain(config))
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from sidecar.app import Sidecar, c_parser_in_use
     from sidecar.telemetry import logs
@@ -117,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", parents=[common], help="check a config file")
     val.add_argument("path", nargs="?", help="the file to check")
     val.set_defaults(func=cmd_validate)
+
+    exp = sub.add_parser(
+        "explain", parents=[common], help="worst cases per route: attempts, time, load"
+    )
+    exp.add_argument("path", nargs="?", help="the file to explain")
+    exp.set_defaults(func=cmd_explain)
 
     demo = sub.add_parser(
         "demo", parents=[common], help="a flaky upstream, a sidecar, a burst of traffic"
