@@ -1,21 +1,30 @@
-"""Wiring: listeners, shared state, lifecycle."""
+"""Wiring: listeners, shared state, background tasks, lifecycle and drain."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
+from collections.abc import Coroutine
+from typing import Any
 
 from aiohttp import web
 
+from sidecar.admin.auth import check_exposure, token_from_env
 from sidecar.admin.killswitch import KillSwitch
+from sidecar.admin.server import AdminDeps, ExtraRoute, build_admin_app
 from sidecar.config.model import Config
 from sidecar.config.store import ConfigStore
+from sidecar.config.watch import Reloader, ReloadResult
 from sidecar.lifecycle import Lifecycle
 from sidecar.proxy.handler import ProxyDeps, ProxyHandler
-from sidecar.retry.breaker import State
+from sidecar.retry.breaker import GAUGE, State
 from sidecar.retry.loop import Clock
 from sidecar.retry.routestate import RouteStates
 from sidecar.telemetry.events import BreakerTransitioned, EventSink, Fanout
+from sidecar.telemetry.logs import RequestLog
+from sidecar.telemetry.metrics import Labels, Metrics
+from sidecar.telemetry.tracing import Tracing
 from sidecar.upstream.client import UpstreamClient
 from sidecar.upstream.pool import PoolSettings
 
@@ -37,15 +46,22 @@ class Sidecar:
         clock: Clock | None = None,
         rng: random.Random | None = None,
         pool: PoolSettings | None = None,
+        config_path: str | None = None,
+        tracing: Tracing | None = None,
+        watch_interval: float = 0.5,
     ) -> None:
         self.store = ConfigStore(config)
         self.clock = clock or Clock()
         self.events = Fanout()
+        self.metrics = Metrics()
+        self.events.sinks.append(self.metrics)
+        self.events.sinks.append(RequestLog())
         self.states = RouteStates(self._on_breaker_transition)
         self.states.sync(config)
         self.kill = KillSwitch()
         self.life = Lifecycle()
         self.client = UpstreamClient(pool)
+        self.tracing = tracing or Tracing(None)
         self.deps = ProxyDeps(
             store=self.store,
             client=self.client,
@@ -55,13 +71,53 @@ class Sidecar:
             states=self.states,
             kill=self.kill,
             life=self.life,
+            tracing=self.tracing,
         )
+        self.reloader = (
+            Reloader(config_path, self.store, self.apply, self._on_reload) if config_path else None
+        )
+        self.watch_interval = watch_interval
+        self.admin_extra: list[ExtraRoute] = []
         self._proxy_runner: web.ServerRunner | None = None
+        self._admin_runner: web.AppRunner | None = None
+        self._tasks: dict[str, asyncio.Task[Any]] = {}
         self.proxy_port = 0
+        self.admin_port = 0
+        self._wire_gauges()
+
+    # -- state hooks -------------------------------------------------------------------------
 
     def _on_breaker_transition(self, route: str, frm: State, to: State) -> None:
         log.warning("breaker of route %s: %s -> %s", route, frm.value, to.value)
         self.events.breaker_transitioned(BreakerTransitioned(route, frm.value, to.value))
+
+    def _on_reload(self, result: ReloadResult) -> None:
+        self.metrics.reload_ok.set((), 1.0 if result.ok else 0.0)
+        if result.ok:
+            self.metrics.reload_ts.set((), self.clock.wall())
+
+    def _wire_gauges(self) -> None:
+        def breaker_states() -> dict[Labels, float]:
+            names = {r.name for r in self.store.current.routes}
+            return {
+                (("route", n),): float(GAUGE[st.breaker.state])
+                for n, st in self.states.items()
+                if n in names
+            }
+
+        def kill_switches() -> dict[Labels, float]:
+            active = {s.scope for s in self.kill.active(self.clock.monotonic())}
+            out: dict[Labels, float] = {(("scope", "global"),): 0.0}
+            for r in self.store.current.routes:
+                out[(("scope", f"route:{r.name}"),)] = 0.0
+            for scope in active:
+                out[(("scope", scope),)] = 1.0
+            return out
+
+        self.metrics.breaker_state.collect = breaker_states
+        self.metrics.kill_switch.collect = kill_switches
+        self.metrics.reload_ok.set((), 1.0)
+        self.metrics.reload_ts.set((), self.clock.wall())
 
     def add_sink(self, sink: EventSink) -> None:
         self.events.sinks.append(sink)
@@ -71,26 +127,102 @@ class Sidecar:
         self.states.sync(config)
         self.store.swap(config)
 
+    def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Start a named background task that is kept and cancelled on shutdown."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks[name] = task
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        if self._tasks.get(task.get_name()) is task:
+            del self._tasks[task.get_name()]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task %s failed: %r", task.get_name(), task.exception())
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
     async def start(self) -> None:
         config = self.store.current
+        token = token_from_env(config.admin)
+        check_exposure(config.admin, token)
+
         server = web.Server(
             ProxyHandler(self.deps),
             auto_decompress=False,  # bodies pass through byte-identical (DESIGN.md section 8)
             access_log=None,
         )
-        runner = web.ServerRunner(server, handle_signals=False)
+        runner = web.ServerRunner(
+            server, handle_signals=False, shutdown_timeout=config.drain_timeout
+        )
         await runner.setup()
         site = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_address=True)
         await site.start()
         self._proxy_runner = runner
-        addr = runner.addresses[0]
-        self.proxy_port = int(addr[1])
+        self.proxy_port = int(runner.addresses[0][1])
+
+        admin_app = build_admin_app(
+            AdminDeps(
+                store=self.store,
+                reloader=self.reloader,
+                kill=self.kill,
+                states=self.states,
+                metrics=self.metrics,
+                life=self.life,
+                clock=self.clock,
+                token=token,
+            ),
+            self.admin_extra,
+        )
+        arunner = web.AppRunner(admin_app, access_log=None, shutdown_timeout=1.0)
+        await arunner.setup()
+        asite = web.TCPSite(
+            arunner, config.admin.listen.host, config.admin.listen.port, reuse_address=True
+        )
+        try:
+            await asite.start()
+        except OSError:
+            await runner.cleanup()
+            await arunner.cleanup()
+            raise
+        self._admin_runner = arunner
+        self.admin_port = int(arunner.addresses[0][1])
+
+        if self.reloader is not None:
+            self.spawn("config-watch", self.reloader.watch(self.watch_interval))
         self.life.ready = True
-        log.info("proxy listening on %s:%d", config.listen.host, self.proxy_port)
+        log.info(
+            "proxy listening on %s:%d, admin on %s:%d, %d routes",
+            config.listen.host,
+            self.proxy_port,
+            config.admin.listen.host,
+            self.admin_port,
+            len(config.routes),
+        )
+
+    async def reload(self, trigger: str) -> ReloadResult | None:
+        if self.reloader is None:
+            return None
+        return await self.reloader.reload(trigger)
 
     async def stop(self) -> None:
+        """Drain: not ready at once, no new connections, in-flight requests (backoff sleeps
+        cut short to one final attempt) get up to drain_timeout, then everything closes."""
         self.life.start_drain()
+        log.info("draining (up to %.1fs)", self.store.current.drain_timeout)
         if self._proxy_runner is not None:
             await self._proxy_runner.cleanup()
             self._proxy_runner = None
+        for task in list(self._tasks.values()):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        if self._admin_runner is not None:
+            await self._admin_runner.cleanup()
+            self._admin_runner = None
         self.client.close()
+        self.tracing.shutdown()
+        log.info("stopped")
+
+    def task_names(self) -> list[str]:
+        return sorted(self._tasks)

@@ -65,7 +65,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from sidecar.telemetry import logs
 
     logs.setup(args.log_level)
-    config = _load_or_exit(args.config or default_config_path())
+    config = _load_or_exit(args.config or default_config_path())  # nothing listens on error
     if not c_parser_in_use() and not args.allow_python_parser:
         print(
             "error: aiohttp's C HTTP parser is not in use (AIOHTTP_NO_EXTENSIONS set, or no "
@@ -75,14 +75,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         return 2
 
+    path = args.config or default_config_path()
+
     async def main() -> int:
-        sidecar = Sidecar(config)
+        from sidecar.admin.auth import AdminStartError
+        from sidecar.telemetry.tracing import Tracing
+
+        sidecar = Sidecar(config, config_path=path, tracing=Tracing.from_env(config.name))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(
+            signal.SIGHUP, lambda: sidecar.spawn("sighup-reload", sidecar.reload("SIGHUP"))
+        )
         try:
             await sidecar.start()
+        except AdminStartError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         except OSError as exc:
             print(f"error: cannot listen: {exc}", file=sys.stderr)
             return 1

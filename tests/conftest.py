@@ -124,11 +124,17 @@ class Running:
         return f"http://127.0.0.1:{self.sidecar.proxy_port}"
 
 
-def routes_yaml(upstream_url: str, route_extra: str = "", top_extra: str = "") -> str:
+def routes_yaml(
+    upstream_url: str,
+    route_extra: str = "",
+    top_extra: str = "",
+    admin: str = 'admin: {listen: "127.0.0.1:0"}',
+) -> str:
     return f"""
 version: 1
 name: test-edge
 listen: "127.0.0.1:0"
+{admin}
 {top_extra}
 defaults:
   retry:

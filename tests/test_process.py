@@ -17,7 +17,7 @@ async def test_run_proxies_with_retries_and_exits_cleanly_on_sigterm(upstream_fa
     port = free_port()
     cfg = tmp_path / "sidecar.yaml"
     cfg.write_text(
-        routes_yaml(up.url).replace('listen: "127.0.0.1:0"', f'listen: "127.0.0.1:{port}"')
+        routes_yaml(up.url).replace('listen: "127.0.0.1:0"', f'listen: "127.0.0.1:{port}"', 1)
     )
     proc = SidecarProcess(cfg)
     proc.start()
@@ -29,8 +29,9 @@ async def test_run_proxies_with_retries_and_exits_cleanly_on_sigterm(upstream_fa
             assert resp.headers["x-retry-attempts"] == "2"
     finally:
         rc = proc.terminate()
-    assert rc == 0
-    lines = [json.loads(line) for line in proc.stderr().splitlines() if line.startswith("{")]
+    err = proc.stderr()
+    assert rc == 0, err
+    lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
     assert any("proxy listening" in rec["msg"] for rec in lines)
 
 

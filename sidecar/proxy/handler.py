@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from aiohttp import web
+from opentelemetry.trace import Span
 
 from sidecar.admin.killswitch import KillSwitch
 from sidecar.config.model import Config, IpNetwork, Route
@@ -32,6 +33,7 @@ from sidecar.retry.loop import Clock, SequenceResult, run_sequence
 from sidecar.retry.routestate import RouteStates
 from sidecar.telemetry.events import EventSink, SequenceEnded
 from sidecar.telemetry.logs import RateLimit
+from sidecar.telemetry.tracing import Tracing
 from sidecar.upstream.client import Body, UpstreamClient, UpstreamResponse
 from sidecar.upstream.errors import UpstreamError
 
@@ -50,6 +52,7 @@ class ProxyDeps:
     states: RouteStates
     kill: KillSwitch
     life: Lifecycle
+    tracing: Tracing
 
 
 def peer_of(request: web.BaseRequest) -> str:
@@ -136,6 +139,12 @@ class ProxyHandler:
         peer = peer_of(request)
         trusted = is_trusted(peer, config.trusted_peers)
         shared, edge, timeout_ms = forward.request_headers(list(request.raw_headers), peer, trusted)
+        tracing = deps.tracing
+        span: Span | None = None
+        if tracing.enabled:
+            span = tracing.start_server(method, target, route.name, request.headers, peer)
+            # Our attempt spans become the parent the upstream sees.
+            shared = [(k, v) for k, v in shared if k.lower() != b"traceparent"]
         clock = deps.clock
         start = clock.monotonic()
         deadline = Deadline.start(start, route.timeout, parse_timeout_ms(_s(timeout_ms)))
@@ -173,7 +182,9 @@ class ProxyHandler:
                 0,
             )
             resp.headers["Retry-After"] = str(max(1, math.ceil(admission.retry_after)))
-            return self._finish(request, route, start, resp, Fate.BREAKER_OPEN, 0, "breaker-open")
+            return self._finish(
+                request, route, start, resp, Fate.BREAKER_OPEN, 0, "breaker-open", span
+            )
         state.budget.record_request(now)
 
         edge_name = edge if edge is not None and edge != b"tracestate" else config.name.encode()
@@ -184,19 +195,34 @@ class ProxyHandler:
         host, port = route.upstream.host, route.upstream.port
         client = deps.client
         bulkhead = state.bulkhead
+        upstream_name = route.upstream.authority
 
         async def send(attempt: int, timeout: float) -> UpstreamResponse:
             await bulkhead.acquire()
             remaining = deadline.remaining_ms(clock.monotonic())
-            head = head_base + b"x-retry-attempt: %d\r\nx-request-timeout-ms: %d\r\n\r\n" % (
+            head = head_base + b"x-retry-attempt: %d\r\nx-request-timeout-ms: %d\r\n" % (
                 attempt,
                 remaining,
             )
+            if span is None:
+                try:
+                    up = await client.request(
+                        host, port, head + b"\r\n", body, timeout, head_only, chunked
+                    )
+                except BaseException:
+                    bulkhead.release()
+                    raise
+                up.on_done = bulkhead.release
+                return up
+            attempt_span = tracing.start_attempt(span, method, attempt, upstream_name)
+            head += b"traceparent: " + tracing.traceparent(attempt_span) + b"\r\n\r\n"
             try:
                 up = await client.request(host, port, head, body, timeout, head_only, chunked)
-            except BaseException:
+            except BaseException as exc:
                 bulkhead.release()
+                tracing.end_attempt(attempt_span, None, getattr(exc, "code", type(exc).__name__))
                 raise
+            tracing.end_attempt(attempt_span, up.status, None)
             up.on_done = bulkhead.release
             return up
 
@@ -215,7 +241,14 @@ class ProxyHandler:
         except BodyTooLarge as exc:
             state.breaker.record(clock.monotonic(), True, admission.probe, clock.wall())
             return self._finish(
-                request, route, start, client_error(413, str(exc)), Fate.NOT_RETRYABLE, 1
+                request,
+                route,
+                start,
+                client_error(413, str(exc)),
+                Fate.NOT_RETRYABLE,
+                1,
+                None,
+                span,
             )
         except BaseException:
             state.breaker.record(clock.monotonic(), True, admission.probe, clock.wall())
@@ -227,7 +260,7 @@ class ProxyHandler:
             # The probe never reached the upstream: it says nothing either way; let it count
             # as a success so that the half-open state cannot wedge on local overload.
             state.breaker.record(clock.monotonic(), True, True, clock.wall())
-        return await self._answer(request, route, start, result)
+        return await self._answer(request, route, start, result, span)
 
     def _finish(
         self,
@@ -238,7 +271,10 @@ class ProxyHandler:
         fate: Fate,
         attempts: int,
         proxy_error_code: str | None = None,
+        span: Span | None = None,
     ) -> web.StreamResponse:
+        if span is not None:
+            self.deps.tracing.end_server(span, resp.status, fate.value, attempts)
         self.deps.events.sequence_ended(
             SequenceEnded(
                 route.name,
@@ -253,7 +289,12 @@ class ProxyHandler:
         return resp
 
     async def _answer(
-        self, request: web.BaseRequest, route: Route, start: float, result: SequenceResult
+        self,
+        request: web.BaseRequest,
+        route: Route,
+        start: float,
+        result: SequenceResult,
+        span: Span | None,
     ) -> web.StreamResponse:
         fate = result.fate
         up = result.response
@@ -264,8 +305,8 @@ class ProxyHandler:
             if fate is Fate.DEADLINE:
                 status, code = 504, "deadline"
             resp = proxy_error(status, code, str(err), fate, result.attempts)
-            return self._finish(request, route, start, resp, fate, result.attempts, code)
-        return await self._stream(request, route, start, result, up)
+            return self._finish(request, route, start, resp, fate, result.attempts, code, span)
+        return await self._stream(request, route, start, result, up, span)
 
     async def _stream(
         self,
@@ -274,6 +315,7 @@ class ProxyHandler:
         start: float,
         result: SequenceResult,
         up: UpstreamResponse,
+        span: Span | None,
     ) -> web.StreamResponse:
         resp = ProxyResponse(status=up.status)
         for k, v in forward.response_headers(up.headers):
@@ -302,7 +344,7 @@ class ProxyHandler:
         except BaseException:
             up.discard()
             raise
-        return self._finish(request, route, start, resp, result.fate, result.attempts)
+        return self._finish(request, route, start, resp, result.fate, result.attempts, None, span)
 
 
 def _cut(request: web.BaseRequest, resp: web.StreamResponse) -> None:

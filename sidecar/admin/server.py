@@ -1,0 +1,295 @@
+"""The admin API (DESIGN.md section 5) on its own listener, loopback by default.
+
+JSON in and out; errors are ``{"error": "..."}`` with a 4xx. With a token configured, every
+non-GET call (and reading a DLQ record) needs ``Authorization: Bearer <token>``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from aiohttp import web
+
+from sidecar.admin.auth import bearer_ok
+from sidecar.admin.killswitch import MAX_TTL, KillSwitch
+from sidecar.config import units
+from sidecar.config.model import Route
+from sidecar.config.store import ConfigStore
+from sidecar.config.watch import Reloader
+from sidecar.lifecycle import Lifecycle
+from sidecar.retry.loop import Clock
+from sidecar.retry.routestate import RouteStates
+from sidecar.telemetry.metrics import Metrics
+
+log = logging.getLogger("sidecar.admin")
+audit = logging.getLogger("sidecar.audit")
+
+MAX_ADMIN_BODY = 64 * 1024
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Extra routes other features add (the DLQ): (method, path, handler, needs_token_even_for_GET).
+ExtraRoute = tuple[str, str, Handler, bool]
+
+
+def iso(epoch: float | None) -> str | None:
+    if epoch is None:
+        return None
+    return (
+        datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    )
+
+
+def error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+@dataclass
+class AdminDeps:
+    store: ConfigStore
+    reloader: Reloader | None
+    kill: KillSwitch
+    states: RouteStates
+    metrics: Metrics
+    life: Lifecycle
+    clock: Clock
+    token: str | None
+
+
+def route_json(r: Route) -> dict[str, Any]:
+    m = r.match
+    return {
+        "name": r.name,
+        "upstream": str(r.upstream),
+        "match": {
+            "path": m.path,
+            "path_prefix": m.path_prefix,
+            "path_regex": m.path_regex.pattern if m.path_regex else None,
+            "methods": sorted(m.methods) if m.methods else None,
+            "headers": dict(m.headers) or None,
+        },
+        "timeout": r.timeout,
+        "retry": {
+            "attempts": r.retry.attempts,
+            "per_try_timeout": r.retry.per_try_timeout,
+            "backoff": {
+                "strategy": r.retry.backoff.strategy,
+                "base": r.retry.backoff.base,
+                "max": r.retry.backoff.max,
+            },
+            "non_idempotent": r.retry.non_idempotent,
+            "max_body_bytes": r.retry.max_body_bytes,
+        },
+        "dlq": {"enabled": r.dlq.enabled, "respond": r.dlq.respond},
+    }
+
+
+def build_admin_app(deps: AdminDeps, extra: list[ExtraRoute] | None = None) -> web.Application:
+    token_for_get: set[str] = set()
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        needs = request.method not in ("GET", "HEAD") or (
+            request.match_info.route.resource is not None
+            and request.match_info.route.resource.canonical in token_for_get
+        )
+        if (
+            deps.token is not None
+            and needs
+            and not bearer_ok(request.headers.get("Authorization"), deps.token)
+        ):
+            resp = error(401, "this call needs Authorization: Bearer <admin token>")
+            resp.headers["WWW-Authenticate"] = "Bearer"
+            return resp
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status >= 400:
+                return error(exc.status, exc.reason)
+            raise
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(request: web.Request) -> web.Response:
+        if deps.life.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        if not deps.life.ready:
+            return web.json_response({"status": "starting"}, status=503)
+        return web.json_response({"status": "ready"})
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(
+            text=deps.metrics.render(),
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"X-Content-Type-Options": "nosniff"},
+        )
+
+    async def get_config(request: web.Request) -> web.Response:
+        c = deps.store.current
+        return web.json_response(
+            {
+                "version": c.sha256,
+                "loaded_at": iso(deps.store.loaded.loaded_at),
+                "source": c.source,
+                "last_error": deps.store.last_error,
+                "restart_required": deps.reloader.restart_required if deps.reloader else [],
+                "routes": [route_json(r) for r in c.routes],
+            }
+        )
+
+    async def reload(request: web.Request) -> web.Response:
+        if deps.reloader is None:
+            return error(409, "this sidecar was not started from a file; nothing to reload")
+        result = await deps.reloader.reload("admin")
+        audit.warning(
+            "config reload requested",
+            extra={"fields": {"audit": "config.reload", "who": request.remote, "ok": result.ok}},
+        )
+        if not result.ok:
+            return web.json_response(
+                {
+                    "error": "the new config is invalid; the last good config keeps serving",
+                    "errors": result.errors,
+                    "version": result.version,
+                },
+                status=422,
+            )
+        return web.json_response(
+            {
+                "version": result.version,
+                "changed": result.changed,
+                "restart_required": result.restart_required,
+            }
+        )
+
+    async def get_kill(request: web.Request) -> web.Response:
+        switches = deps.kill.active(deps.clock.monotonic())
+        return web.json_response(
+            {
+                "switches": [
+                    dict(s.as_json(), set_at=iso(s.set_at), expires_at=iso(s.expires_at))
+                    for s in switches
+                ]
+            }
+        )
+
+    async def put_kill(request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if isinstance(body, web.Response):
+            return body
+        scope = body.get("scope")
+        if not isinstance(scope, str) or not _scope_ok(scope):
+            return error(400, "scope must be 'global' or 'route:<name>' naming a configured route")
+        ttl_raw = body.get("ttl")
+        if ttl_raw is None:
+            return error(400, 'ttl is required, e.g. "15m" (at most 24h)')
+        try:
+            ttl = units.parse_duration(ttl_raw)
+        except units.UnitError as exc:
+            return error(400, f"ttl: {exc}")
+        if not 0 < ttl <= MAX_TTL:
+            return error(400, "ttl must be greater than 0 and at most 24h")
+        reason = body.get("reason")
+        if not isinstance(reason, str) or not reason.strip() or len(reason) > 1000:
+            return error(400, "reason is required: a non-empty string of at most 1000 characters")
+        unknown = set(body) - {"scope", "ttl", "reason"}
+        if unknown:
+            return error(400, f"unknown keys: {', '.join(sorted(unknown))}")
+        who = request.remote or "unknown"
+        sw = deps.kill.set(scope, ttl, reason, who, deps.clock.monotonic(), deps.clock.wall())
+        audit.warning(
+            "kill switch set",
+            extra={
+                "fields": {
+                    "audit": "killswitch.set",
+                    "who": who,
+                    "scope": scope,
+                    "reason": reason,
+                    "ttl_seconds": ttl,
+                    "expires_at": iso(sw.expires_at),
+                }
+            },
+        )
+        return web.json_response(
+            dict(sw.as_json(), set_at=iso(sw.set_at), expires_at=iso(sw.expires_at))
+        )
+
+    async def delete_kill(request: web.Request) -> web.Response:
+        scope = request.query.get("scope")
+        if not scope:
+            return error(400, "give the scope to lift: DELETE /killswitch?scope=global")
+        if not deps.kill.lift(scope):
+            return error(404, f"no active kill switch with scope {scope!r}")
+        who = request.remote or "unknown"
+        audit.warning(
+            "kill switch lifted",
+            extra={"fields": {"audit": "killswitch.lift", "who": who, "scope": scope}},
+        )
+        return web.json_response({"lifted": scope})
+
+    async def breakers(request: web.Request) -> web.Response:
+        now = deps.clock.monotonic()
+        out = {}
+        names = {r.name for r in deps.store.current.routes}
+        for name, st in deps.states.items():
+            if name not in names:
+                continue
+            seqs, fails = st.breaker.counts(now)
+            out[name] = {
+                "state": st.breaker.state.value,
+                "sequences": seqs,
+                "failures": fails,
+                "opened_at": iso(st.breaker.opened_at_wall),
+                "budget": dict(zip(("requests", "retries"), st.budget.counts(now), strict=True)),
+                "in_flight": st.bulkhead.in_flight,
+            }
+        return web.json_response({"routes": out})
+
+    def _scope_ok(scope: str) -> bool:
+        if scope == "global":
+            return True
+        if scope.startswith("route:"):
+            return deps.store.current.route(scope[6:]) is not None
+        return False
+
+    async def not_found(request: web.Request) -> web.Response:
+        return error(404, f"no admin endpoint {request.method} {request.path}")
+
+    app = web.Application(middlewares=[guard], client_max_size=MAX_ADMIN_BODY)
+    r = app.router
+    r.add_get("/healthz", healthz)
+    r.add_get("/readyz", readyz)
+    r.add_get("/metrics", metrics)
+    r.add_get("/config", get_config)
+    r.add_post("/config/reload", reload)
+    r.add_get("/killswitch", get_kill)
+    r.add_put("/killswitch", put_kill)
+    r.add_delete("/killswitch", delete_kill)
+    r.add_get("/breakers", breakers)
+    for method, path, handler, token_even_for_get in extra or []:
+        res = r.add_route(method, path, handler)
+        if token_even_for_get:
+            token_for_get.add(res.resource.canonical if res.resource else path)
+    r.add_route("*", "/{tail:.*}", not_found)
+    return app
+
+
+async def _json_body(request: web.Request) -> dict[str, Any] | web.Response:
+    if request.content_length is not None and request.content_length > MAX_ADMIN_BODY:
+        return error(413, f"admin request bodies are limited to {MAX_ADMIN_BODY} bytes")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return error(413, f"admin request bodies are limited to {MAX_ADMIN_BODY} bytes")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return error(400, f"the body is not valid JSON: {exc}")
+    if not isinstance(body, dict):
+        return error(400, "the body must be a JSON object")
+    return body

@@ -1,0 +1,187 @@
+"""Prometheus metrics (text format 0.0.4), fed by the core's events.
+
+A small registry of our own instead of prometheus_client: label values here are all bounded
+(route names from the config, fixed fate/outcome words), updates are dict increments on the hot
+path, and rendering happens only when /metrics is scraped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+from sidecar.retry.breaker import GAUGE, State
+from sidecar.telemetry.events import (
+    AttemptEnded,
+    BreakerTransitioned,
+    RetryScheduled,
+    SequenceEnded,
+)
+
+PREFIX = "retry_sidecar_"
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+Labels = tuple[tuple[str, str], ...]
+
+
+def _fmt_labels(labels: Labels) -> str:
+    if not labels:
+        return ""
+    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels)
+    return "{" + inner + "}"
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _num(v: float) -> str:
+    if v == math.inf:
+        return "+Inf"
+    if float(v).is_integer():
+        return str(int(v))
+    return repr(float(v))
+
+
+class Counter:
+    def __init__(self, name: str, help_: str) -> None:
+        self.name = PREFIX + name
+        self.help = help_
+        self.values: dict[Labels, float] = {}
+
+    def inc(self, labels: Labels, by: float = 1.0) -> None:
+        self.values[labels] = self.values.get(labels, 0.0) + by
+
+    def render(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {self.help}"
+        yield f"# TYPE {self.name} counter"
+        for labels, v in sorted(self.values.items()):
+            yield f"{self.name}{_fmt_labels(labels)} {_num(v)}"
+
+
+class Gauge:
+    def __init__(self, name: str, help_: str) -> None:
+        self.name = PREFIX + name
+        self.help = help_
+        self.values: dict[Labels, float] = {}
+        self.collect: Callable[[], dict[Labels, float]] | None = None  # computed at scrape
+
+    def set(self, labels: Labels, v: float) -> None:
+        self.values[labels] = v
+
+    def render(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {self.help}"
+        yield f"# TYPE {self.name} gauge"
+        values = dict(self.values)
+        if self.collect is not None:
+            values.update(self.collect())
+        for labels, v in sorted(values.items()):
+            yield f"{self.name}{_fmt_labels(labels)} {_num(v)}"
+
+
+class Histogram:
+    def __init__(self, name: str, help_: str, buckets: tuple[float, ...] = DURATION_BUCKETS):
+        self.name = PREFIX + name
+        self.help = help_
+        self.buckets = buckets
+        self.series: dict[Labels, list[float]] = {}  # bucket counts..., +Inf count, sum
+
+    def observe(self, labels: Labels, v: float) -> None:
+        s = self.series.get(labels)
+        if s is None:
+            s = self.series[labels] = [0.0] * (len(self.buckets) + 2)
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                s[i] += 1
+                break
+        else:
+            s[len(self.buckets)] += 1
+        s[-1] += v
+
+    def render(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {self.help}"
+        yield f"# TYPE {self.name} histogram"
+        for labels, s in sorted(self.series.items()):
+            cum = 0.0
+            for i, b in enumerate(self.buckets):
+                cum += s[i]
+                yield f"{self.name}_bucket{_fmt_labels((*labels, ('le', _num(b))))} {_num(cum)}"
+            cum += s[len(self.buckets)]
+            yield f"{self.name}_bucket{_fmt_labels((*labels, ('le', '+Inf')))} {_num(cum)}"
+            yield f"{self.name}_sum{_fmt_labels(labels)} {_num(s[-1])}"
+            yield f"{self.name}_count{_fmt_labels(labels)} {_num(cum)}"
+
+
+class Metrics:
+    """The metrics of DESIGN.md section 7, and an EventSink that keeps them current."""
+
+    def __init__(self) -> None:
+        self.requests = Counter("requests_total", "Client requests by route and fate.")
+        self.attempts = Counter("attempts_total", "Upstream attempts by route and outcome.")
+        self.retries = Counter("retries_total", "Retries scheduled by route.")
+        self.budget_exhausted = Counter(
+            "retry_budget_exhausted_total", "Retries denied by the retry budget."
+        )
+        self.breaker_state = Gauge("breaker_state", "0 closed, 1 half-open, 2 open.")
+        self.breaker_transitions = Counter(
+            "breaker_transitions_total", "Breaker transitions by route and new state."
+        )
+        self.kill_switch = Gauge("kill_switch_active", "1 while a kill switch is set.")
+        self.request_duration = Histogram(
+            "request_duration_seconds", "Whole retry sequence duration, by route."
+        )
+        self.attempt_duration = Histogram(
+            "upstream_attempt_duration_seconds", "One upstream attempt, to its response head."
+        )
+        self.reload_ok = Gauge(
+            "config_last_reload_successful", "1 if the last config reload succeeded."
+        )
+        self.reload_ts = Gauge(
+            "config_last_reload_timestamp_seconds", "When the config was last (re)loaded."
+        )
+        self.malformed = Counter(
+            "malformed_requests_total", "Requests refused before routing, by reason."
+        )
+        self.extra: list[Counter | Gauge | Histogram] = []
+
+    def all(self) -> list[Counter | Gauge | Histogram]:
+        return [
+            self.requests,
+            self.attempts,
+            self.retries,
+            self.budget_exhausted,
+            self.breaker_state,
+            self.breaker_transitions,
+            self.kill_switch,
+            self.request_duration,
+            self.attempt_duration,
+            self.reload_ok,
+            self.reload_ts,
+            self.malformed,
+            *self.extra,
+        ]
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for m in self.all():
+            lines.extend(m.render())
+        return "\n".join(lines) + "\n"
+
+    # -- EventSink ---------------------------------------------------------------------------
+
+    def attempt_ended(self, e: AttemptEnded) -> None:
+        self.attempts.inc((("route", e.route), ("outcome", e.outcome)))
+        self.attempt_duration.observe((("route", e.route),), e.duration)
+
+    def retry_scheduled(self, e: RetryScheduled) -> None:
+        self.retries.inc((("route", e.route),))
+
+    def sequence_ended(self, e: SequenceEnded) -> None:
+        self.requests.inc((("route", e.route), ("fate", e.fate)))
+        self.request_duration.observe((("route", e.route),), e.duration)
+        if e.fate == "budget-exhausted":
+            self.budget_exhausted.inc((("route", e.route),))
+
+    def breaker_transitioned(self, e: BreakerTransitioned) -> None:
+        self.breaker_transitions.inc((("route", e.route), ("to", e.to)))
+        self.breaker_state.set((("route", e.route),), GAUGE[State(e.to)])

@@ -1,0 +1,131 @@
+"""OpenTelemetry: a SERVER span per proxied request and a CLIENT span per upstream attempt.
+
+Each attempt's span is the parent named in the ``traceparent`` sent upstream with that attempt.
+Attribute names follow the HTTP semantic conventions (``http.request.method``,
+``http.response.status_code``, ``http.request.resend_count`` on attempts after the first,
+``error.type`` on failures). Tracing is off unless configured through the standard OTEL_*
+variables (``OTEL_TRACES_EXPORTER=otlp|console``); when off, the hot path pays one attribute check.
+The retry core never imports this module: the proxy handler calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from sidecar import __version__
+
+log = logging.getLogger("sidecar.tracing")
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class Tracing:
+    """Disabled unless given a TracerProvider."""
+
+    def __init__(self, provider: TracerProvider | None = None) -> None:
+        self.provider = provider
+        self.enabled = provider is not None
+        self._tracer = provider.get_tracer("retry-sidecar", __version__) if provider else None
+
+    @classmethod
+    def from_env(cls, service_name: str) -> Tracing:
+        exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
+        if exporter_name in ("", "none"):
+            return cls(None)
+        exporter: SpanExporter
+        if exporter_name == "console":
+            exporter = ConsoleSpanExporter()
+        elif exporter_name == "otlp":
+            try:
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[import-not-found,unused-ignore]
+                    OTLPSpanExporter,
+                )
+            except ImportError:
+                log.warning(
+                    "OTEL_TRACES_EXPORTER=otlp but the OTLP exporter is not installed "
+                    "(pip install 'retry-sidecar[otlp]'); tracing stays off"
+                )
+                return cls(None)
+            exporter = OTLPSpanExporter()
+        else:
+            log.warning("unsupported OTEL_TRACES_EXPORTER=%s; tracing stays off", exporter_name)
+            return cls(None)
+        resource = Resource.create(
+            {"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)}
+        )
+        provider = TracerProvider(resource=resource)
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+        return cls(provider)
+
+    def start_server(
+        self, method: str, target: str, route: str, headers: Mapping[str, str], peer: str
+    ) -> Span:
+        assert self._tracer is not None
+        parent = _PROPAGATOR.extract(carrier=headers)
+        return self._tracer.start_span(
+            method,
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes={
+                "http.request.method": method,
+                "url.path": target.split("?", 1)[0],
+                "client.address": peer,
+                "retry_sidecar.route": route,
+            },
+        )
+
+    def start_attempt(self, server: Span, method: str, attempt: int, upstream: str) -> Span:
+        assert self._tracer is not None
+        attrs: dict[str, str | int] = {
+            "http.request.method": method,
+            "server.address": upstream,
+            "retry_sidecar.attempt": attempt,
+        }
+        if attempt > 1:
+            attrs["http.request.resend_count"] = attempt - 1
+        return self._tracer.start_span(
+            method,
+            context=trace.set_span_in_context(server),
+            kind=SpanKind.CLIENT,
+            attributes=attrs,
+        )
+
+    @staticmethod
+    def traceparent(span: Span) -> bytes:
+        carrier: dict[str, str] = {}
+        _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+        return carrier.get("traceparent", "").encode("ascii")
+
+    @staticmethod
+    def end_attempt(span: Span, status: int | None, error_type: str | None) -> None:
+        if status is not None:
+            span.set_attribute("http.response.status_code", status)
+            if status >= 500:
+                span.set_attribute("error.type", str(status))
+                span.set_status(Status(StatusCode.ERROR))
+        if error_type is not None:
+            span.set_attribute("error.type", error_type)
+            span.set_status(Status(StatusCode.ERROR))
+        span.end()
+
+    @staticmethod
+    def end_server(span: Span, status: int, fate: str, attempts: int) -> None:
+        span.set_attribute("http.response.status_code", status)
+        span.set_attribute("retry_sidecar.fate", fate)
+        span.set_attribute("retry_sidecar.attempts", attempts)
+        if status >= 500:
+            span.set_attribute("error.type", str(status))
+            span.set_status(Status(StatusCode.ERROR))
+        span.end()
+
+    def shutdown(self) -> None:
+        if self.provider is not None:
+            self.provider.shutdown()
