@@ -9,12 +9,15 @@ import os
 import signal
 import sys
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sidecar import __version__
 from sidecar.config.errors import ConfigError
 from sidecar.config.model import Config
 from sidecar.config.parse import parse_file
+
+if TYPE_CHECKING:
+    from sidecar.admin.client import AdminTarget
 
 DEFAULT_CONFIG = "config/sidecar.yaml"
 log = logging.getLogger("sidecar")
@@ -57,6 +60,32 @@ def cmd_explain(args: argparse.Namespace) -> int:
             print(line)
         return 1
     print(explain(config))
+    return 0
+
+
+def _admin_target(args: argparse.Namespace) -> AdminTarget:
+    from sidecar.admin.client import target_from
+
+    config = None
+    path = args.config or default_config_path()
+    if not args.admin or os.path.exists(path):
+        config = _load_or_exit(path)
+    return target_from(config, args.admin)
+
+
+def cmd_healthcheck(args: argparse.Namespace) -> int:
+    from sidecar.admin.client import call
+
+    target = _admin_target(args)
+    try:
+        status, _ = call(target, "GET", "/healthz", timeout=args.timeout)
+    except OSError as exc:
+        print(f"unhealthy: {target.base}/healthz: {exc}", file=sys.stderr)
+        return 1
+    if status != 200:
+        print(f"unhealthy: {target.base}/healthz answered {status}", file=sys.stderr)
+        return 1
+    print("healthy")
     return 0
 
 
@@ -142,6 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
     val = sub.add_parser("validate", parents=[common], help="check a config file")
     val.add_argument("path", nargs="?", help="the file to check")
     val.set_defaults(func=cmd_validate)
+
+    admin_common = argparse.ArgumentParser(add_help=False)
+    admin_common.add_argument(
+        "--admin", help="admin URL, e.g. http://127.0.0.1:15000 (default: from the config)"
+    )
+    hc = sub.add_parser(
+        "healthcheck", parents=[common, admin_common], help="exit 0 if /healthz answers 200"
+    )
+    hc.add_argument("--timeout", type=float, default=3.0)
+    hc.set_defaults(func=cmd_healthcheck)
 
     exp = sub.add_parser(
         "explain", parents=[common], help="worst cases per route: attempts, time, load"

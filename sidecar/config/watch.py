@@ -135,7 +135,9 @@ class Reloader:
     async def watch(self, interval: float = 0.5, hash_every: float = 5.0) -> None:
         """Run until cancelled: reload when the file or its directory changes."""
         last = self._fingerprint()
-        last_hash_check = time.monotonic()
+        # The first round always compares hashes: the file may have changed between the load
+        # and this task's first run.
+        last_hash_check = float("-inf")
         while True:
             await asyncio.sleep(interval)
             fp = self._fingerprint()

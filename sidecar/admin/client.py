@@ -1,0 +1,60 @@
+"""A small synchronous client for the admin API, for CLI verbs (healthcheck, dlq)."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar.config.model import Config
+
+
+@dataclass(frozen=True)
+class AdminTarget:
+    base: str  # http://host:port
+    token: str | None
+
+
+def target_from(config: Config | None, admin_url: str | None) -> AdminTarget:
+    token = None
+    if config is not None and config.admin.token_env:
+        token = os.environ.get(config.admin.token_env) or None
+    if admin_url:
+        return AdminTarget(admin_url.rstrip("/"), token)
+    if config is None:
+        raise ValueError("no admin address: give --admin URL or a readable --config")
+    host = config.admin.listen.host
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return AdminTarget(f"http://{host}:{config.admin.listen.port}", token)
+
+
+def call(
+    target: AdminTarget,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None = None,
+    timeout: float = 5.0,
+) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(target.base + path, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if target.token:
+        req.add_header("Authorization", f"Bearer {target.token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+            status = resp.status
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        status = exc.code
+    try:
+        return status, json.loads(raw) if raw else None
+    except json.JSONDecodeError:
+        return status, raw.decode("utf-8", "replace")

@@ -1,0 +1,160 @@
+"""The real process: drain on SIGTERM, reload on SIGHUP, healthcheck, kill switch vs restart."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+from aiohttp import web
+
+from tests.conftest import reply, routes_yaml
+from tests.proc import SidecarProcess, free_port
+
+
+def process_yaml(up_url: str, port: int, admin_port: int, extra: str = "", top: str = "") -> str:
+    return routes_yaml(
+        up_url, extra, top_extra=top, admin=f'admin: {{listen: "127.0.0.1:{admin_port}"}}'
+    ).replace('listen: "127.0.0.1:0"', f'listen: "127.0.0.1:{port}"', 1)
+
+
+async def started(tmp_path, text: str, port: int) -> SidecarProcess:
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(text)
+    proc = SidecarProcess(cfg)
+    proc.start()
+    await proc.wait_port(port)
+    return proc
+
+
+async def test_sigterm_drains_in_flight_requests_then_exits_0(upstream_factory, tmp_path):
+    async def slow(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(1.0)
+        return web.Response(text="finished")
+
+    up = await upstream_factory(slow)
+    port, admin = free_port(), free_port()
+    proc = await started(tmp_path, process_yaml(up.url, port, admin, top="drain_timeout: 5s"), port)
+    async with aiohttp.ClientSession() as s:
+        inflight = asyncio.create_task(s.get(f"http://127.0.0.1:{port}/slow"))
+        await asyncio.sleep(0.3)
+        assert proc.proc is not None
+        proc.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.2)
+        # Not ready any more while it drains, but still alive.
+        async with s.get(f"http://127.0.0.1:{admin}/readyz") as r:
+            assert r.status == 503
+        # No new connections on the proxy port.
+        try:
+            await asyncio.open_connection("127.0.0.1", port)
+            refused = False
+        except OSError:
+            refused = True
+        assert refused
+        resp = await inflight
+        assert resp.status == 200 and await resp.read() == b"finished"
+        resp.release()
+    rc = await asyncio.to_thread(proc.proc.wait, 10)
+    assert rc == 0
+
+
+async def test_drain_cuts_a_backoff_sleep_short(upstream_factory, tmp_path):
+    up = await upstream_factory(
+        reply(503, b"", {"Retry-After": "20"}), reply(200, b"final attempt")
+    )
+    port, admin = free_port(), free_port()
+    text = process_yaml(
+        up.url,
+        port,
+        admin,
+        "    timeout: 60s\n    retry: {retry_after: {max: 30s}}",
+        top="drain_timeout: 5s",
+    )
+    proc = await started(tmp_path, text, port)
+    async with aiohttp.ClientSession() as s:
+        t0 = time.monotonic()
+        inflight = asyncio.create_task(s.get(f"http://127.0.0.1:{port}/x"))
+        await asyncio.sleep(0.5)  # now sleeping out the 20 s Retry-After
+        assert proc.proc is not None
+        proc.proc.send_signal(signal.SIGTERM)
+        resp = await inflight
+        assert resp.status == 200 and await resp.read() == b"final attempt"
+        assert resp.headers["x-retry-fate"] == "success"
+        resp.release()
+        assert time.monotonic() - t0 < 10
+    assert await asyncio.to_thread(proc.proc.wait, 10) == 0
+
+
+async def test_sighup_reloads(upstream_factory, tmp_path):
+    up = await upstream_factory(reply(503))
+    port, admin = free_port(), free_port()
+    text = process_yaml(up.url, port, admin, "    retry: {attempts: 1}")
+    proc = await started(tmp_path, text, port)
+    try:
+        (tmp_path / "sidecar.yaml").write_text(text.replace("attempts: 1", "attempts: 2"))
+        assert proc.proc is not None
+        proc.proc.send_signal(signal.SIGHUP)
+        async with aiohttp.ClientSession() as s:
+            deadline = time.monotonic() + 2.0
+            seen = None
+            while time.monotonic() < deadline:
+                async with s.get(f"http://127.0.0.1:{port}/x") as r:
+                    seen = r.headers["x-retry-attempts"]
+                if seen == "2":
+                    break
+                await asyncio.sleep(0.05)
+            assert seen == "2"
+    finally:
+        assert proc.terminate() == 0
+
+
+async def test_healthcheck_cli(upstream_factory, tmp_path):
+    up = await upstream_factory(reply(200))
+    port, admin = free_port(), free_port()
+    proc = await started(tmp_path, process_yaml(up.url, port, admin), port)
+    cfg = str(tmp_path / "sidecar.yaml")
+    try:
+        ok = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "sidecar", "healthcheck", "--config", cfg],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert ok.returncode == 0, ok.stderr
+    finally:
+        proc.terminate()
+    down = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "sidecar", "healthcheck", "--config", cfg],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert down.returncode == 1 and "unhealthy" in down.stderr
+
+
+async def test_kill_switch_does_not_survive_a_restart(upstream_factory, tmp_path):
+    """Decided: the switch is in memory only; a restart comes back with the file's policy."""
+    up = await upstream_factory(reply(200))
+    port, admin = free_port(), free_port()
+    text = process_yaml(up.url, port, admin)
+    proc = await started(tmp_path, text, port)
+    base = f"http://127.0.0.1:{admin}"
+    async with aiohttp.ClientSession() as s:
+        async with s.put(
+            base + "/killswitch", json={"scope": "global", "ttl": "1h", "reason": "r"}
+        ) as r:
+            assert r.status == 200
+        async with s.get(base + "/killswitch") as r:
+            assert len((await r.json())["switches"]) == 1
+        assert proc.terminate() == 0
+        proc = await started(tmp_path, text, port)
+        try:
+            async with s.get(base + "/killswitch") as r:
+                assert (await r.json())["switches"] == []
+        finally:
+            proc.terminate()
