@@ -72,6 +72,7 @@ class Sidecar:
             kill=self.kill,
             life=self.life,
             tracing=self.tracing,
+            malformed=lambda reason: self.metrics.malformed.inc((("reason", reason),)),
         )
         self.reloader = (
             Reloader(config_path, self.store, self.apply, self._on_reload) if config_path else None

@@ -11,7 +11,7 @@ import ipaddress
 import logging
 import math
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -53,6 +53,7 @@ class ProxyDeps:
     kill: KillSwitch
     life: Lifecycle
     tracing: Tracing
+    malformed: Callable[[str], None] = lambda reason: None  # counts refused requests
 
 
 def peer_of(request: web.BaseRequest) -> str:
@@ -122,6 +123,7 @@ class ProxyHandler:
         deps = self.deps
         config: Config = deps.store.current  # one snapshot for the whole sequence
         if request.version[0] != 1 or request.version[1] not in (0, 1):
+            deps.malformed("http-version")
             return client_error(400, "only HTTP/1.0 and HTTP/1.1 are accepted")
         method = request.method
         target = request.raw_path
@@ -132,6 +134,7 @@ class ProxyHandler:
 
         length = request.content_length
         if length is not None and length > config.limits.max_request_body:
+            deps.malformed("body-too-large")
             return client_error(
                 413, f"request body of {length} bytes is over {config.limits.max_request_body}"
             )
