@@ -17,7 +17,8 @@ from sidecar.config.model import Config
 from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader, ReloadResult
 from sidecar.lifecycle import Lifecycle
-from sidecar.proxy.handler import ProxyDeps, ProxyHandler
+from sidecar.proxy.deps import ProxyDeps
+from sidecar.proxy.handler import ProxyHandler
 from sidecar.retry.breaker import GAUGE, State
 from sidecar.retry.loop import Clock
 from sidecar.retry.routestate import RouteStates

@@ -10,50 +10,28 @@ import asyncio
 import ipaddress
 import logging
 import math
-import random
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 from opentelemetry.trace import Span
 
-from sidecar.admin.killswitch import KillSwitch
 from sidecar.config.model import Config, IpNetwork, Route
-from sidecar.config.store import ConfigStore
-from sidecar.lifecycle import Lifecycle
 from sidecar.proxy import forward
-from sidecar.proxy.gate import SequenceGate
+from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.respond import ProxyResponse, client_error, proxy_error
 from sidecar.proxy.routing import find_route
-from sidecar.retry.breaker import Admitted
-from sidecar.retry.classify import may_resend, sequence_failed
+from sidecar.proxy.sequence import Exchange, execute
 from sidecar.retry.deadline import Deadline, parse_timeout_ms
-from sidecar.retry.decide import Constraints, Fate
-from sidecar.retry.loop import Clock, SequenceResult, run_sequence
-from sidecar.retry.routestate import RouteStates
-from sidecar.telemetry.events import EventSink, SequenceEnded
+from sidecar.retry.decide import Fate
+from sidecar.retry.loop import SequenceResult
+from sidecar.telemetry.events import SequenceEnded
 from sidecar.telemetry.logs import RateLimit
-from sidecar.telemetry.tracing import Tracing
-from sidecar.upstream.client import Body, UpstreamClient, UpstreamResponse
+from sidecar.upstream.client import Body, UpstreamResponse
 from sidecar.upstream.errors import UpstreamError
 
 log = logging.getLogger("sidecar.proxy")
 
 READ_CHUNK = 64 * 1024
-
-
-@dataclass
-class ProxyDeps:
-    store: ConfigStore
-    client: UpstreamClient
-    clock: Clock
-    rng: random.Random
-    events: EventSink
-    states: RouteStates
-    kill: KillSwitch
-    life: Lifecycle
-    tracing: Tracing
-    malformed: Callable[[str], None] = lambda reason: None  # counts refused requests
 
 
 def peer_of(request: web.BaseRequest) -> str:
@@ -172,11 +150,16 @@ class ProxyHandler:
         elif method in ("POST", "PUT", "PATCH"):
             shared.append((b"Content-Length", b"0"))
 
-        # Admission: the breaker is asked once per sequence, the budget counts the request.
-        state = deps.states.get(route.name)
-        now = clock.monotonic()
-        admission = state.breaker.admit(now)
-        if not isinstance(admission, Admitted):
+        idem = request.headers.get("Idempotency-Key") is not None
+        exchange = Exchange(
+            route, method, target, shared, body, chunked, replayable, edge, deadline, idem, span
+        )
+        try:
+            executed = await execute(deps, config.name.encode(), exchange)
+        except BodyTooLarge as exc:
+            resp413 = client_error(413, str(exc))
+            return self._finish(request, route, start, resp413, Fate.NOT_RETRYABLE, 1, None, span)
+        if executed.result is None:
             resp = proxy_error(
                 503,
                 "breaker-open",
@@ -184,85 +167,11 @@ class ProxyHandler:
                 Fate.BREAKER_OPEN,
                 0,
             )
-            resp.headers["Retry-After"] = str(max(1, math.ceil(admission.retry_after)))
+            resp.headers["Retry-After"] = str(max(1, math.ceil(executed.retry_after)))
             return self._finish(
                 request, route, start, resp, Fate.BREAKER_OPEN, 0, "breaker-open", span
             )
-        state.budget.record_request(now)
-
-        edge_name = edge if edge is not None and edge != b"tracestate" else config.name.encode()
-        shared.append((b"x-retry-edge", edge_name))
-        shared = forward.with_edge_tracestate(shared)
-        head_base = forward.build_head(method, target, shared)
-        head_only = method == "HEAD"
-        host, port = route.upstream.host, route.upstream.port
-        client = deps.client
-        bulkhead = state.bulkhead
-        upstream_name = route.upstream.authority
-
-        async def send(attempt: int, timeout: float) -> UpstreamResponse:
-            await bulkhead.acquire()
-            remaining = deadline.remaining_ms(clock.monotonic())
-            head = head_base + b"x-retry-attempt: %d\r\nx-request-timeout-ms: %d\r\n" % (
-                attempt,
-                remaining,
-            )
-            if span is None:
-                try:
-                    up = await client.request(
-                        host, port, head + b"\r\n", body, timeout, head_only, chunked
-                    )
-                except BaseException:
-                    bulkhead.release()
-                    raise
-                up.on_done = bulkhead.release
-                return up
-            attempt_span = tracing.start_attempt(span, method, attempt, upstream_name)
-            head += b"traceparent: " + tracing.traceparent(attempt_span) + b"\r\n\r\n"
-            try:
-                up = await client.request(host, port, head, body, timeout, head_only, chunked)
-            except BaseException as exc:
-                bulkhead.release()
-                tracing.end_attempt(attempt_span, None, getattr(exc, "code", type(exc).__name__))
-                raise
-            tracing.end_attempt(attempt_span, up.status, None)
-            up.on_done = bulkhead.release
-            return up
-
-        gate = SequenceGate(route.name, state, deps.kill, deps.life, clock)
-        idem = request.headers.get("Idempotency-Key") is not None
-        constraints = Constraints(
-            may_resend=may_resend(route.retry, method, idem),
-            body_replayable=replayable,
-            edge_owned=edge is not None,
-            killed=gate.killed(),
-        )
-        try:
-            result = await run_sequence(
-                route, send, deadline, constraints, clock, deps.rng, deps.events, gate
-            )
-        except BodyTooLarge as exc:
-            state.breaker.record(clock.monotonic(), True, admission.probe, clock.wall())
-            return self._finish(
-                request,
-                route,
-                start,
-                client_error(413, str(exc)),
-                Fate.NOT_RETRYABLE,
-                1,
-                None,
-                span,
-            )
-        except BaseException:
-            state.breaker.record(clock.monotonic(), True, admission.probe, clock.wall())
-            raise
-        if result.fate is not Fate.OVERLOADED:
-            failed = sequence_failed(route.retry, result.response_status, result.error is not None)
-            state.breaker.record(clock.monotonic(), not failed, admission.probe, clock.wall())
-        elif admission.probe:
-            # The probe never reached the upstream: it says nothing either way; let it count
-            # as a success so that the half-open state cannot wedge on local overload.
-            state.breaker.record(clock.monotonic(), True, True, clock.wall())
+        result = executed.result
         return await self._answer(request, route, start, result, span)
 
     def _finish(
