@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import sqlite3
 from collections.abc import Coroutine
 from typing import Any
 
@@ -16,6 +18,9 @@ from sidecar.admin.server import AdminDeps, ExtraRoute, build_admin_app
 from sidecar.config.model import Config
 from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader, ReloadResult
+from sidecar.dlq.admin import dlq_routes, no_dlq_routes
+from sidecar.dlq.replay import Replayer
+from sidecar.dlq.store import DlqStore
 from sidecar.lifecycle import Lifecycle
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.handler import ProxyHandler
@@ -74,12 +79,18 @@ class Sidecar:
             life=self.life,
             tracing=self.tracing,
             malformed=lambda reason: self.metrics.malformed.inc((("reason", reason),)),
+            dlq_write=lambda route, result: self.metrics.dlq_writes.inc(
+                (("route", route), ("result", result))
+            ),
         )
         self.reloader = (
             Reloader(config_path, self.store, self.apply, self._on_reload) if config_path else None
         )
         self.watch_interval = watch_interval
         self.admin_extra: list[ExtraRoute] = []
+        self.dlq: DlqStore | None = None
+        self.replayer: Replayer | None = None
+        self.dlq_max_page_count: int | None = None  # tests: a real SQLITE_FULL
         self._proxy_runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self._tasks: dict[str, asyncio.Task[Any]] = {}
@@ -116,6 +127,22 @@ class Sidecar:
                 out[(("scope", scope),)] = 1.0
             return out
 
+        def dlq_records() -> dict[Labels, float]:
+            if self.dlq is None:
+                return {}
+            return {
+                (("status", st),): float(self.dlq.by_status.get(st, 0))
+                for st in ("pending", "delivered", "parked")
+            }
+
+        def dlq_oldest() -> dict[Labels, float]:
+            if self.dlq is None or not self.dlq.by_status.get("pending"):
+                return {(): 0.0} if self.dlq is not None else {}
+            oldest = self.dlq.oldest_pending_sync()
+            return {(): max(0.0, self.clock.wall() - oldest) if oldest else 0.0}
+
+        self.metrics.dlq_records.collect = dlq_records
+        self.metrics.dlq_oldest.collect = dlq_oldest
         self.metrics.breaker_state.collect = breaker_states
         self.metrics.kill_switch.collect = kill_switches
         self.metrics.reload_ok.set((), 1.0)
@@ -128,6 +155,8 @@ class Sidecar:
         """Swap in a new, already validated config. Route state is kept by name."""
         self.states.sync(config)
         self.store.swap(config)
+        if self.dlq is None and any(r.dlq.enabled for r in config.routes):
+            log.warning("a route enabled the DLQ; restart to open it at %s", config.dlq.path)
 
     def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Start a named background task that is kept and cancelled on shutdown."""
@@ -144,10 +173,39 @@ class Sidecar:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
+    def _dlq_wanted(self, config: Config) -> bool:
+        """The DLQ file is opened only when a route uses it or it already exists: nothing is
+        written outside the paths the config names, and nothing at all when unused."""
+        return any(r.dlq.enabled for r in config.routes) or os.path.exists(config.dlq.path)
+
+    def _open_dlq(self, config: Config) -> None:
+        store = DlqStore(
+            config.dlq.path,
+            config.dlq.max_records,
+            config.dlq.max_bytes,
+            max_page_count=self.dlq_max_page_count,
+        )
+        try:
+            store.open()
+        except (OSError, sqlite3.Error) as exc:
+            # The proxy keeps serving; failed writes get x-retry-dlq: unavailable.
+            log.error("cannot open the DLQ at %s: %s", config.dlq.path, exc)
+            return
+        self.dlq = store
+        self.deps.dlq = store
+        self.replayer = Replayer(store, self.deps, lambda: self.store.current)
+
     async def start(self) -> None:
         config = self.store.current
         token = token_from_env(config.admin)
         check_exposure(config.admin, token)
+        if self._dlq_wanted(config):
+            await asyncio.to_thread(self._open_dlq, config)
+        # The DLQ endpoints exist even when no DLQ is open (they answer 503 then).
+        if self.dlq is not None and self.replayer is not None:
+            self.admin_extra.extend(dlq_routes(self.dlq, self.replayer))
+        else:
+            self.admin_extra.extend(no_dlq_routes(config.dlq.path))
 
         server = web.Server(
             ProxyHandler(self.deps),
@@ -192,6 +250,9 @@ class Sidecar:
 
         if self.reloader is not None:
             self.spawn("config-watch", self.reloader.watch(self.watch_interval))
+        if self.replayer is not None:
+            self.spawn("dlq-redrive", self.replayer.redrive_loop())
+            self.spawn("dlq-prune", self.replayer.prune_loop())
         self.life.ready = True
         log.info(
             "proxy listening on %s:%d, admin on %s:%d, %d routes",
@@ -223,6 +284,8 @@ class Sidecar:
             await self._admin_runner.cleanup()
             self._admin_runner = None
         self.client.close()
+        if self.dlq is not None:
+            await asyncio.to_thread(self.dlq.close)
         self.tracing.shutdown()
         log.info("stopped")
 

@@ -89,6 +89,56 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dlq(args: argparse.Namespace) -> int:
+    """dlq list|show|replay|purge against a running sidecar's admin API."""
+    import json as _json
+    from urllib.parse import urlencode
+
+    from sidecar.admin.client import call
+
+    target = _admin_target(args)
+    if args.dlq_verb == "list":
+        q = {
+            k: v
+            for k, v in (
+                ("route", args.route),
+                ("status", args.status),
+                ("limit", args.limit),
+                ("order", args.order),
+            )
+            if v
+        }
+        path = "/dlq" + ("?" + urlencode(q) if q else "")
+        status, body = call(target, "GET", path)
+    elif args.dlq_verb == "show":
+        status, body = call(target, "GET", f"/dlq/{args.id}")
+    elif args.dlq_verb == "replay":
+        if args.id:
+            status, body = call(target, "POST", f"/dlq/{args.id}/replay", timeout=120)
+        else:
+            batch: dict[str, object] = {
+                "status": args.status or "pending",
+                "limit": int(args.limit or 100),
+                "dry_run": args.dry_run,
+            }
+            if args.route:
+                batch["route"] = args.route
+            status, body = call(target, "POST", "/dlq/replay", batch, timeout=600)
+    else:
+        status, body = call(target, "DELETE", f"/dlq/{args.id}")
+    if args.dlq_verb == "list" and status == 200 and not args.json:
+        for r in body["records"]:
+            print(
+                f"{r['id']}  {r['status']:<9} {r['route']:<16} {r['method']:<6} "
+                f"{r['fate']:<18} replays={r['replays']}  {r['created_at']}  {r['target']}"
+            )
+        if body.get("next"):
+            print(f"(more: --cursor {body['next']})")
+    else:
+        print(_json.dumps(body, indent=2))
+    return 0 if 200 <= status < 300 else 1
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from sidecar.app import Sidecar, c_parser_in_use
     from sidecar.telemetry import logs
@@ -181,6 +231,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     hc.add_argument("--timeout", type=float, default=3.0)
     hc.set_defaults(func=cmd_healthcheck)
+
+    # --config/--admin go after the verb (dlq list --config ...): argparse would let a
+    # sub-parser's defaults overwrite values given before it.
+    dlq = sub.add_parser("dlq", help="inspect and replay the dead-letter queue")
+    dsub = dlq.add_subparsers(dest="dlq_verb", required=True)
+    dl = dsub.add_parser("list", parents=[common, admin_common], help="list records")
+    dl.add_argument("--route")
+    dl.add_argument("--status", choices=["pending", "delivered", "parked"])
+    dl.add_argument("--limit")
+    dl.add_argument("--order", choices=["newest", "oldest"])
+    dl.add_argument("--json", action="store_true", help="print the raw JSON")
+    ds = dsub.add_parser("show", parents=[common, admin_common], help="one record with its body")
+    ds.add_argument("id")
+    dr = dsub.add_parser(
+        "replay", parents=[common, admin_common], help="replay one record, or a filtered batch"
+    )
+    dr.add_argument("id", nargs="?", help="one record; without it, a batch by filters")
+    dr.add_argument("--route")
+    dr.add_argument("--status", choices=["pending", "parked"])
+    dr.add_argument("--limit")
+    dr.add_argument("--dry-run", action="store_true")
+    dp = dsub.add_parser("purge", parents=[common, admin_common], help="delete one record")
+    dp.add_argument("id")
+    dlq.set_defaults(func=cmd_dlq)
 
     exp = sub.add_parser(
         "explain", parents=[common], help="worst cases per route: attempts, time, load"

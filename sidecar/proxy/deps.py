@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from sidecar.admin.killswitch import KillSwitch
 from sidecar.config.store import ConfigStore
+from sidecar.dlq.store import DlqStore
 from sidecar.lifecycle import Lifecycle
 from sidecar.retry.loop import Clock
 from sidecar.retry.routestate import RouteStates
@@ -28,3 +29,5 @@ class ProxyDeps:
     life: Lifecycle
     tracing: Tracing
     malformed: Callable[[str], None] = lambda reason: None  # counts refused requests
+    dlq: DlqStore | None = None
+    dlq_write: Callable[[str, str], None] = lambda route, result: None  # (route, result)

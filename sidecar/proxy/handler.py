@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import logging
 import math
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from aiohttp import web
 from opentelemetry.trace import Span
 
 from sidecar.config.model import Config, IpNetwork, Route
+from sidecar.dlq.capture import Captured, capture
 from sidecar.proxy import forward
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.respond import ProxyResponse, client_error, proxy_error
@@ -126,6 +128,7 @@ class ProxyHandler:
             span = tracing.start_server(method, target, route.name, request.headers, peer)
             # Our attempt spans become the parent the upstream sees.
             shared = [(k, v) for k, v in shared if k.lower() != b"traceparent"]
+        as_received = list(shared)  # what a DLQ record keeps (before framing)
         clock = deps.clock
         start = clock.monotonic()
         deadline = Deadline.start(start, route.timeout, parse_timeout_ms(_s(timeout_ms)))
@@ -159,7 +162,33 @@ class ProxyHandler:
         except BodyTooLarge as exc:
             resp413 = client_error(413, str(exc))
             return self._finish(request, route, start, resp413, Fate.NOT_RETRYABLE, 1, None, span)
-        if executed.result is None:
+        result = executed.result
+        stored_body = body if isinstance(body, bytes) else None
+        if result is None:
+            captured = await capture(
+                deps.dlq,
+                route,
+                method,
+                target,
+                as_received,
+                stored_body,
+                Fate.BREAKER_OPEN,
+                0,
+                None,
+                "breaker open",
+                deps.dlq_write,
+            )
+            if captured is not None and captured.record_id and route.dlq.respond == "accepted":
+                return self._finish(
+                    request,
+                    route,
+                    start,
+                    accepted(captured.record_id, Fate.BREAKER_OPEN, 0),
+                    Fate.BREAKER_OPEN,
+                    0,
+                    None,
+                    span,
+                )
             resp = proxy_error(
                 503,
                 "breaker-open",
@@ -168,11 +197,37 @@ class ProxyHandler:
                 0,
             )
             resp.headers["Retry-After"] = str(max(1, math.ceil(executed.retry_after)))
+            _dlq_headers(resp, captured)
             return self._finish(
                 request, route, start, resp, Fate.BREAKER_OPEN, 0, "breaker-open", span
             )
-        result = executed.result
-        return await self._answer(request, route, start, result, span)
+        captured = await capture(
+            deps.dlq,
+            route,
+            method,
+            target,
+            as_received,
+            stored_body,
+            result.fate,
+            result.attempts,
+            result.response_status,
+            str(result.error) if result.error is not None else None,
+            deps.dlq_write,
+        )
+        if captured is not None and captured.record_id and route.dlq.respond == "accepted":
+            if result.response is not None:
+                result.response.discard()
+            return self._finish(
+                request,
+                route,
+                start,
+                accepted(captured.record_id, result.fate, result.attempts),
+                result.fate,
+                result.attempts,
+                None,
+                span,
+            )
+        return await self._answer(request, route, start, result, span, captured)
 
     def _finish(
         self,
@@ -207,6 +262,7 @@ class ProxyHandler:
         start: float,
         result: SequenceResult,
         span: Span | None,
+        captured: Captured | None,
     ) -> web.StreamResponse:
         fate = result.fate
         up = result.response
@@ -217,8 +273,9 @@ class ProxyHandler:
             if fate is Fate.DEADLINE:
                 status, code = 504, "deadline"
             resp = proxy_error(status, code, str(err), fate, result.attempts)
+            _dlq_headers(resp, captured)
             return self._finish(request, route, start, resp, fate, result.attempts, code, span)
-        return await self._stream(request, route, start, result, up, span)
+        return await self._stream(request, route, start, result, up, span, captured)
 
     async def _stream(
         self,
@@ -228,12 +285,14 @@ class ProxyHandler:
         result: SequenceResult,
         up: UpstreamResponse,
         span: Span | None,
+        captured: Captured | None,
     ) -> web.StreamResponse:
         resp = ProxyResponse(status=up.status)
         for k, v in forward.response_headers(up.headers):
             resp.headers.add(k, v)
         resp.headers["x-retry-attempts"] = str(result.attempts)
         resp.headers["x-retry-fate"] = result.fate.value
+        _dlq_headers(resp, captured)
         idle = route.retry.per_try_timeout
         try:
             await resp.prepare(request)
@@ -257,6 +316,28 @@ class ProxyHandler:
             up.discard()
             raise
         return self._finish(request, route, start, resp, result.fate, result.attempts, None, span)
+
+
+def _dlq_headers(resp: web.StreamResponse, captured: Captured | None) -> None:
+    if captured is not None:
+        resp.headers["x-retry-dlq"] = captured.header
+        if captured.record_id is not None:
+            resp.headers["x-retry-dlq-id"] = captured.record_id
+
+
+def accepted(record_id: str, fate: Fate, attempts: int) -> web.Response:
+    """``respond: accepted``: 202 only once the record is durable on disk."""
+    return web.Response(
+        status=202,
+        body=json.dumps({"dlq_id": record_id}).encode(),
+        headers={
+            "Content-Type": "application/json",
+            "x-retry-attempts": str(attempts),
+            "x-retry-fate": fate.value,
+            "x-retry-dlq": "stored",
+            "x-retry-dlq-id": record_id,
+        },
+    )
 
 
 def _cut(request: web.BaseRequest, resp: web.StreamResponse) -> None:

@@ -142,6 +142,15 @@ class Metrics:
         self.malformed = Counter(
             "malformed_requests_total", "Requests refused before routing, by reason."
         )
+        self.dlq_records = Gauge("dlq_records", "DLQ records by status.")
+        self.dlq_oldest = Gauge(
+            "dlq_oldest_record_age_seconds", "Age of the oldest pending DLQ record."
+        )
+        self.dlq_writes = Counter(
+            "dlq_writes_total",
+            "Failed writes offered to the DLQ, by route and result "
+            "(stored, full, unavailable, body-too-large).",
+        )
         self.extra: list[Counter | Gauge | Histogram] = []
 
     def all(self) -> list[Counter | Gauge | Histogram]:
@@ -158,6 +167,9 @@ class Metrics:
             self.reload_ok,
             self.reload_ts,
             self.malformed,
+            self.dlq_records,
+            self.dlq_oldest,
+            self.dlq_writes,
             *self.extra,
         ]
 

@@ -1,0 +1,1 @@
+"""The dead-letter queue: failed writes kept on disk, inspected and replayed."""
