@@ -392,4 +392,7 @@ async def test_http2_request_line_is_rejected(upstream_factory, sidecar_factory)
     out = await raw_request(sc.sidecar.proxy_port, b"GET / HTTP/2.0\r\nHost: h\r\n\r\n", 2.0)
     assert out.split(b" ")[1] in (b"400", b"505")
     assert up.seen == []
-    assert 'retry_sidecar_malformed_requests_total{reason="http-version"} 1' in sc.sidecar.metrics.render()
+    assert (
+        'retry_sidecar_malformed_requests_total{reason="http-version"} 1'
+        in sc.sidecar.metrics.render()
+    )
