@@ -1,0 +1,61 @@
+"""retry-sidecar dlq list|show|replay|purge against the real running process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import aiohttp
+
+from tests.conftest import reply, routes_yaml
+from tests.proc import SidecarProcess, free_port
+
+
+async def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "sidecar", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+async def test_dlq_verbs(upstream_factory, tmp_path):
+    up = await upstream_factory(reply(503))
+    port, admin = free_port(), free_port()
+    db = tmp_path / "dlq.sqlite3"
+    text = routes_yaml(
+        up.url,
+        "    dlq: {enabled: true}",
+        top_extra=f'dlq: {{path: "{db}"}}',
+        admin=f'admin: {{listen: "127.0.0.1:{admin}"}}',
+    ).replace('listen: "127.0.0.1:0"', f'listen: "127.0.0.1:{port}"', 1)
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(text)
+    proc = SidecarProcess(cfg)
+    proc.start()
+    try:
+        await proc.wait_port(port)
+        async with (
+            aiohttp.ClientSession() as s,
+            s.put(f"http://127.0.0.1:{port}/doc/1", data=b"v1") as r,
+        ):
+            rid = r.headers["x-retry-dlq-id"]
+        listed = await cli("dlq", "list", "--config", str(cfg))
+        assert listed.returncode == 0 and rid in listed.stdout and "pending" in listed.stdout
+        shown = await cli("dlq", "show", rid, "--config", str(cfg))
+        assert shown.returncode == 0 and json.loads(shown.stdout)["body"] == "v1"
+        dry = await cli("dlq", "replay", "--dry-run", "--admin", f"http://127.0.0.1:{admin}")
+        assert json.loads(dry.stdout)["would_replay"] == [rid]
+        up.script = [reply(200)]
+        replayed = await cli("dlq", "replay", rid, "--config", str(cfg))
+        assert replayed.returncode == 0 and json.loads(replayed.stdout)["status"] == "delivered"
+        purged = await cli("dlq", "purge", rid, "--config", str(cfg))
+        assert purged.returncode == 0
+        again = await cli("dlq", "purge", rid, "--config", str(cfg))
+        assert again.returncode == 1 and "no DLQ record" in again.stdout
+    finally:
+        assert proc.terminate() == 0
