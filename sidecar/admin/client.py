@@ -19,9 +19,9 @@ class AdminTarget:
 
 
 def target_from(config: Config | None, admin_url: str | None) -> AdminTarget:
-    token = None
-    if config is not None and config.admin.token_env:
-        token = os.environ.get(config.admin.token_env) or None
+    # The token variable named by the config, else the default name.
+    token_env = config.admin.token_env if config is not None else "RETRY_SIDECAR_ADMIN_TOKEN"
+    token = os.environ.get(token_env) or None if token_env else None
     if admin_url:
         return AdminTarget(admin_url.rstrip("/"), token)
     if config is None:

@@ -1,0 +1,121 @@
+{{/* The chart name. */}}
+{{- define "retry-sidecar.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* A fully qualified app name, at most 63 characters. */}}
+{{- define "retry-sidecar.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "retry-sidecar.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Common labels. */}}
+{{- define "retry-sidecar.labels" -}}
+helm.sh/chart: {{ include "retry-sidecar.chart" . }}
+{{ include "retry-sidecar.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Selector labels. */}}
+{{- define "retry-sidecar.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "retry-sidecar.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "retry-sidecar.secretName" -}}
+{{- default (printf "%s-admin" (include "retry-sidecar.fullname" .)) .Values.sidecar.adminToken.existingSecret }}
+{{- end }}
+
+{{/* The sidecar's whole config: the user's policy plus what the chart owns. */}}
+{{- define "retry-sidecar.config" -}}
+{{- $app := printf "http://127.0.0.1:%d" (int .Values.app.port) -}}
+{{- $policy := deepCopy .Values.sidecar.policy -}}
+{{- $routes := list -}}
+{{- range $policy.routes }}
+{{- $r := deepCopy . }}
+{{- if eq (toString (get $r "upstream")) "{{APP}}" }}{{- $_ := set $r "upstream" $app }}{{- end }}
+{{- $routes = append $routes $r }}
+{{- end }}
+{{- $_ := set $policy "routes" $routes -}}
+{{- $_ := set $policy "version" 1 -}}
+{{- $_ := set $policy "name" (include "retry-sidecar.fullname" .) -}}
+{{- $_ := set $policy "listen" (printf "0.0.0.0:%d" (int .Values.sidecar.proxyPort)) -}}
+{{- $_ := set $policy "admin" (dict "listen" (printf "0.0.0.0:%d" (int .Values.sidecar.adminPort)) "token_env" "RETRY_SIDECAR_ADMIN_TOKEN") -}}
+{{- $dlq := default (dict) (get $policy "dlq") -}}
+{{- $_ := set $dlq "path" "/data/dlq.sqlite3" -}}
+{{- $_ := set $policy "dlq" $dlq -}}
+{{- $_ := set $policy "drain_timeout" (printf "%ds" (int .Values.sidecar.drainTimeoutSeconds)) -}}
+{{- toYaml $policy }}
+{{- end }}
+
+{{/* The sidecar container (used as a native init-container sidecar or a classic container). */}}
+{{- define "retry-sidecar.sidecarContainer" -}}
+- name: retry-sidecar
+  image: "{{ .Values.sidecar.image.repository }}:{{ .Values.sidecar.image.tag | default .Chart.AppVersion }}"
+  imagePullPolicy: {{ .Values.sidecar.image.pullPolicy }}
+  {{- if .Values.sidecar.native }}
+  restartPolicy: Always
+  {{- end }}
+  args: ["run", "--config", "/etc/retry-sidecar/sidecar.yaml"]
+  env:
+    - name: RETRY_SIDECAR_CONFIG
+      value: /etc/retry-sidecar/sidecar.yaml
+    - name: RETRY_SIDECAR_ADMIN_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ include "retry-sidecar.secretName" . }}
+          key: {{ .Values.sidecar.adminToken.secretKey }}
+    {{- with .Values.sidecar.env }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  ports:
+    - name: proxy
+      containerPort: {{ .Values.sidecar.proxyPort }}
+      protocol: TCP
+    - name: admin
+      containerPort: {{ .Values.sidecar.adminPort }}
+      protocol: TCP
+  startupProbe:
+    httpGet: {path: /readyz, port: admin}
+    periodSeconds: 1
+    failureThreshold: 30
+  readinessProbe:
+    httpGet: {path: /readyz, port: admin}
+    periodSeconds: 5
+    failureThreshold: 2
+  livenessProbe:
+    # Liveness checks only that the process and its event loop answer.
+    httpGet: {path: /healthz, port: admin}
+    periodSeconds: 10
+    failureThreshold: 3
+  resources:
+    {{- toYaml .Values.sidecar.resources | nindent 4 }}
+  securityContext:
+    runAsNonRoot: true
+    runAsUser: 10001
+    runAsGroup: 10001
+    readOnlyRootFilesystem: true
+    allowPrivilegeEscalation: false
+    capabilities: {drop: [ALL]}
+    seccompProfile: {type: RuntimeDefault}
+  volumeMounts:
+    # The ConfigMap as a directory (never subPath, which is never updated), for hot reload.
+    - name: policy
+      mountPath: /etc/retry-sidecar
+      readOnly: true
+    - name: dlq
+      mountPath: /data
+{{- end }}
