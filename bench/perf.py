@@ -1,0 +1,494 @@
+"""Side-by-side performance: retry-sidecar vs nginx vs HAProxy as a reverse proxy, one run.
+
+    python3 bench/perf.py [--duration 10] [--quick] [--json bench/results/perf.json]
+
+Installs what it needs (nginx-light, haproxy, wrk from Debian's packages) if missing, starts an
+upstream nginx (~100-byte replies, keep-alive), nginx as proxy, HAProxy as proxy and retry-sidecar
+(retries, breaker, budget and metrics on; tracing export off), pins every proxy to CPU 0 and the
+upstream and wrk to CPU 1, and measures, alternating A B A B:
+
+- peak throughput (wrk, 16 and 64 connections);
+- added latency at a fixed rate (500 and 2,000 req/s; p50/p99/p99.9 minus direct);
+- CPU microseconds per request at the fixed rates;
+- RSS after load;
+- 1 MiB bodies streamed both ways (MB/s);
+- 10,000 idle keep-alive client connections (RSS per connection).
+
+It prints a table and the ratios retry-sidecar / nginx, and writes JSON. Loopback only; bounded
+in time; it stops every process it started, by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROXY_CPU = 0
+LOAD_CPU = 1
+SMALL_BODY = "x" * 100
+BIG = 1024 * 1024
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+NOFILE = 20000  # set from the real limit in main()
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def ensure_tools() -> None:
+    missing = [t for t in ("nginx", "haproxy", "wrk") if shutil.which(t) is None]
+    if not missing:
+        return
+    pkgs = {"nginx": "nginx-light", "haproxy": "haproxy", "wrk": "wrk"}
+    print(f"installing {', '.join(missing)} from Debian's packages...", flush=True)
+    subprocess.run(["apt-get", "update", "-qq"], check=True)
+    subprocess.run(
+        ["apt-get", "install", "-y", "-qq", *(pkgs[m] for m in missing)],
+        check=True,
+        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pin(cpu: int) -> Any:
+    def fn() -> None:
+        os.sched_setaffinity(0, {cpu})
+        raise_nofile()
+
+    return fn
+
+
+def raise_nofile() -> int:
+    """As many descriptors as the hard limit allows (10,000 idle connections need them)."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return want
+
+
+@dataclass
+class Proc:
+    name: str
+    port: int
+    popen: subprocess.Popen[bytes] | None = None
+
+    def pids(self) -> list[int]:
+        """The process and all its descendants (nginx master + worker)."""
+        assert self.popen is not None
+        root = self.popen.pid
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parts = f.read().rsplit(")", 1)[1].split()
+                children.setdefault(int(parts[1]), []).append(int(entry))
+            except (OSError, IndexError):
+                continue
+        out, todo = [], [root]
+        while todo:
+            p = todo.pop()
+            out.append(p)
+            todo.extend(children.get(p, []))
+        return out
+
+    def cpu_seconds(self) -> float:
+        total = 0
+        for p in self.pids():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    parts = f.read().rsplit(")", 1)[1].split()
+                total += int(parts[11]) + int(parts[12])
+            except OSError:
+                pass
+        return total / CLK_TCK
+
+    def rss_mb(self) -> float:
+        total = 0
+        for p in self.pids():
+            try:
+                with open(f"/proc/{p}/statm") as f:
+                    total += int(f.read().split()[1]) * PAGE
+            except OSError:
+                pass
+        return total / 1e6
+
+    def stop(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def wait_port(port: int, timeout: float = 15.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on {port}")
+
+
+def start(name: str, cmd: list[str], port: int, cpu: int, log: Path) -> Proc:
+    out = open(log, "wb")  # noqa: SIM115 - kept open for the process's life
+    p = Proc(name, port, subprocess.Popen(cmd, stdout=out, stderr=out, preexec_fn=pin(cpu)))
+    wait_port(port)
+    return p
+
+
+NGINX_COMMON = """
+worker_processes 1;
+worker_rlimit_nofile {nofile};
+daemon off;
+pid {d}/{n}.pid;
+events {{ worker_connections {conns}; multi_accept on; }}
+http {{
+  access_log off;
+  client_body_temp_path {d}/{n}-cbt;
+  proxy_temp_path {d}/{n}-pt;
+  fastcgi_temp_path {d}/{n}-ft;
+  uwsgi_temp_path {d}/{n}-ut;
+  scgi_temp_path {d}/{n}-st;
+  keepalive_requests 10000000;
+  keepalive_timeout 300s;
+  client_max_body_size 16m;
+  {body}
+}}
+"""
+
+
+def nginx_upstream(d: Path, port: int) -> list[str]:
+    (d / "www").mkdir(exist_ok=True)
+    (d / "www" / "big").write_bytes(b"b" * BIG)
+    body = f"""
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    client_body_buffer_size 2m;
+    location = /big {{ root {d}/www; error_page 405 =200 $uri; }}
+    location / {{ default_type text/plain; return 200 "{SMALL_BODY}"; }}
+  }}"""
+    conf = d / "upstream.conf"
+    conf.write_text(NGINX_COMMON.format(d=d, n="upstream", body=body, nofile=NOFILE, conns=NOFILE // 2))
+    return ["nginx", "-p", str(d), "-c", str(conf), "-e", str(d / "upstream.err")]
+
+
+def nginx_proxy(d: Path, port: int, up: int) -> list[str]:
+    body = f"""
+  upstream up {{ server 127.0.0.1:{up}; keepalive 256; }}
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    location / {{
+      proxy_pass http://up;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }}
+  }}"""
+    conf = d / "nginx-proxy.conf"
+    conf.write_text(NGINX_COMMON.format(d=d, n="proxy", body=body, nofile=NOFILE, conns=NOFILE // 2))
+    return ["nginx", "-p", str(d), "-c", str(conf), "-e", str(d / "proxy.err")]
+
+
+def haproxy(d: Path, port: int, up: int) -> list[str]:
+    conf = d / "haproxy.cfg"
+    conf.write_text(f"""
+global
+  nbthread 1
+  maxconn {NOFILE // 2 - 200}
+defaults
+  mode http
+  timeout connect 5s
+  timeout client 300s
+  timeout server 300s
+  option http-keep-alive
+frontend fe
+  bind 127.0.0.1:{port}
+  default_backend be
+backend be
+  http-reuse always
+  server s1 127.0.0.1:{up} maxconn 1000
+""")
+    return ["haproxy", "-f", str(conf), "-db"]
+
+
+def sidecar(d: Path, port: int, admin: int, up: int) -> list[str]:
+    conf = d / "sidecar.yaml"
+    conf.write_text(f"""
+version: 1
+name: bench
+listen: "127.0.0.1:{port}"
+admin: {{listen: "127.0.0.1:{admin}"}}
+limits: {{max_request_body: 4MiB}}
+defaults:
+  timeout: 10s
+  retry:
+    attempts: 3
+    per_try_timeout: 5s
+    backoff: {{strategy: full_jitter, base: 25ms, max: 250ms}}
+  breaker: {{failure_ratio: 0.5, min_sequences: 20, window: 10s, open_for: 30s}}
+  budget: {{ratio: 0.2, min_per_second: 10, window: 10s}}
+routes:
+  - name: bench
+    match: {{path_prefix: /}}
+    upstream: "http://127.0.0.1:{up}"
+""")
+    return [sys.executable, "-m", "sidecar", "run", "--config", str(conf), "--log-level", "warning"]
+
+
+# -- load generation -------------------------------------------------------------------------
+
+FIXED_RATE_LUA = """
+local rate = tonumber(os.getenv("RATE"))
+local conns = tonumber(os.getenv("CONNS"))
+function delay() return conns * 1000 / rate end
+done = function(summary, latency, requests)
+  io.write(string.format("REQS %d\\n", summary.requests))
+  io.write(string.format("ERRS %d\\n", summary.errors.status + summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout))
+  for _, p in pairs({50, 99, 99.9}) do
+    io.write(string.format("P%s %d\\n", p, latency:percentile(p)))
+  end
+end
+"""
+
+BIG_LUA = """
+wrk.method = "POST"
+wrk.body = string.rep("a", BIGSIZE)
+wrk.headers["Content-Type"] = "application/octet-stream"
+done = function(summary, latency, requests)
+  io.write(string.format("REQS %d\\n", summary.requests))
+  io.write(string.format("BYTES %d\\n", summary.bytes))
+end
+""".replace("BIGSIZE", str(BIG))
+
+
+def wrk(args: list[str], env: dict[str, str] | None = None) -> str:
+    res = subprocess.run(
+        ["taskset", "-c", str(LOAD_CPU), "wrk", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=600,
+    )
+    if res.returncode != 0:
+        raise RuntimeError(res.stderr)
+    return res.stdout
+
+
+def peak(port: int, conns: int, duration: float) -> float:
+    out = wrk(["-t1", f"-c{conns}", f"-d{int(duration)}s", f"http://127.0.0.1:{port}/"])
+    m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    errs = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if errs:
+        print(f"  warning: {errs.group(1)} non-2xx responses on port {port}", flush=True)
+    return float(m.group(1)) if m else 0.0
+
+
+def fixed_rate(port: int, rate: int, duration: float, script: Path) -> dict[str, float]:
+    conns = max(4, rate // 100)
+    out = wrk(
+        ["-t1", f"-c{conns}", f"-d{int(duration)}s", "-s", str(script), f"http://127.0.0.1:{port}/"],
+        env={"RATE": str(rate), "CONNS": str(conns)},
+    )
+    vals = dict(re.findall(r"^(REQS|ERRS|P50|P99|P99\.9) (\d+)$", out, re.M))
+    return {
+        "requests": float(vals.get("REQS", 0)),
+        "errors": float(vals.get("ERRS", 0)),
+        "p50_ms": float(vals.get("P50", 0)) / 1000,
+        "p99_ms": float(vals.get("P99", 0)) / 1000,
+        "p999_ms": float(vals.get("P99.9", 0)) / 1000,
+    }
+
+
+def big_bodies(port: int, duration: float, script: Path) -> float:
+    out = wrk(["-t1", "-c8", f"-d{int(duration)}s", "-s", str(script), f"http://127.0.0.1:{port}/big"])
+    reqs = float(re.search(r"^REQS (\d+)$", out, re.M).group(1))  # type: ignore[union-attr]
+    return reqs * 2 * BIG / duration / 1e6  # MB/s, request and response bodies together
+
+
+async def idle_connections(port: int, n: int) -> list[socket.socket]:
+    """Open n keep-alive connections, each having done one request, and keep them open."""
+    socks: list[socket.socket] = []
+    req = b"GET / HTTP/1.1\r\nHost: bench\r\n\r\n"
+
+    async def one() -> None:
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(req)
+        await w.drain()
+        head = await r.readuntil(b"\r\n\r\n")
+        m = re.search(rb"(?i)content-length: (\d+)", head)
+        if m:
+            await r.readexactly(int(m.group(1)))
+        sock = w.get_extra_info("socket")
+        socks.append(sock.dup())
+        w.close()
+
+    for i in range(0, n, 200):
+        await asyncio.gather(*(one() for _ in range(min(200, n - i))))
+    return socks
+
+
+@dataclass
+class Results:
+    rows: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def add(self, name: str, key: str, value: float) -> None:
+        self.rows.setdefault(name, {}).setdefault(key, []).append(value)
+
+    def mean(self, name: str, key: str) -> float:
+        v = self.rows.get(name, {}).get(key, [])
+        return sum(v) / len(v) if v else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--duration", type=float, default=10.0, help="seconds per wrk run")
+    ap.add_argument("--quick", action="store_true", help="3 s runs, one alternation")
+    ap.add_argument("--idle", type=int, default=10000, help="idle keep-alive connections")
+    ap.add_argument("--json", default="bench/results/perf.json")
+    args = ap.parse_args()
+    if args.quick:
+        args.duration = 3.0
+    rounds = 1 if args.quick else 2
+    ensure_tools()
+    global NOFILE
+    limit = NOFILE = raise_nofile()
+    if args.idle * 2 + 1000 > limit:
+        args.idle = max(100, (limit - 1000) // 2)
+        print(f"descriptor limit {limit}: idle connections reduced to {args.idle}", flush=True)
+    d = Path(tempfile.mkdtemp(prefix="retry-sidecar-bench-"))
+    (d / "fixed.lua").write_text(FIXED_RATE_LUA)
+    (d / "big.lua").write_text(BIG_LUA)
+    up_port = free_port()
+    procs: list[Proc] = []
+    res = Results()
+    try:
+        upstream = start("upstream", nginx_upstream(d, up_port), up_port, LOAD_CPU, d / "up.log")
+        procs.append(upstream)
+        p_ng, p_ha, p_sc, p_adm = free_port(), free_port(), free_port(), free_port()
+        proxies = [
+            start("nginx", nginx_proxy(d, p_ng, up_port), p_ng, PROXY_CPU, d / "ng.log"),
+            start("haproxy", haproxy(d, p_ha, up_port), p_ha, PROXY_CPU, d / "ha.log"),
+            start("retry-sidecar", sidecar(d, p_sc, p_adm, up_port), p_sc, PROXY_CPU, d / "sc.log"),
+        ]
+        procs.extend(proxies)
+        targets = [("direct", up_port, None)] + [(p.name, p.port, p) for p in proxies]
+        for _name, port, _ in targets:  # warm up
+            peak(port, 16, 1.0)
+        for r in range(rounds):
+            print(f"round {r + 1}/{rounds}: peak throughput", flush=True)
+            for conns in (16, 64):
+                for name, port, _ in targets:
+                    res.add(name, f"peak_c{conns}", peak(port, conns, args.duration))
+            print(f"round {r + 1}/{rounds}: fixed rates", flush=True)
+            for rate in (500, 2000):
+                for name, port, proc in targets:
+                    cpu0 = proc.cpu_seconds() if proc else 0.0
+                    fr = fixed_rate(port, rate, args.duration, d / "fixed.lua")
+                    cpu1 = proc.cpu_seconds() if proc else 0.0
+                    for k, v in fr.items():
+                        res.add(name, f"r{rate}_{k}", v)
+                    if proc and fr["requests"]:
+                        res.add(name, f"r{rate}_cpu_us", (cpu1 - cpu0) * 1e6 / fr["requests"])
+            for name, _, proc in targets:
+                if proc:
+                    res.add(name, "rss_mb", proc.rss_mb())
+            print(f"round {r + 1}/{rounds}: 1 MiB bodies", flush=True)
+            for name, port, proc in targets:
+                res.add(name, "big_mb_s", big_bodies(port, args.duration, d / "big.lua"))
+                if proc:
+                    res.add(name, "rss_after_big_mb", proc.rss_mb())
+        print(f"idle connections: {args.idle} per proxy", flush=True)
+        for p in proxies:
+            before = p.rss_mb()
+            socks = asyncio.run(idle_connections(p.port, args.idle))
+            time.sleep(1.0)
+            after = p.rss_mb()
+            res.add(p.name, "idle_added_mb", after - before)
+            res.add(p.name, "idle_kb_per_conn", (after - before) * 1000 / max(1, len(socks)))
+            for s in socks:
+                s.close()
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        shutil.rmtree(d, ignore_errors=True)
+    report(res)
+    out = {name: {k: sum(v) / len(v) for k, v in row.items()} for name, row in res.rows.items()}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+def report(res: Results) -> None:
+    names = ["direct", "nginx", "haproxy", "retry-sidecar"]
+    m = res.mean
+
+    def added(name: str, key: str) -> float:
+        return m(name, key) - m("direct", key)
+
+    lines = [
+        ("peak req/s, 16 conns", "peak_c16", "{:.0f}"),
+        ("peak req/s, 64 conns", "peak_c64", "{:.0f}"),
+    ]
+    print(f"\n{'':<34}" + "".join(f"{n:>15}" for n in names))
+    for label, key, fmt in lines:
+        print(f"{label:<34}" + "".join(f"{fmt.format(m(n, key)):>15}" for n in names))
+    for rate in (500, 2000):
+        for pk in ("p50_ms", "p99_ms", "p999_ms"):
+            label = f"added {pk[:-3]} ms at {rate}/s"
+            cells = ["-"] + [f"{added(n, f'r{rate}_{pk}'):.3f}" for n in names[1:]]
+            print(f"{label:<34}" + "".join(f"{c:>15}" for c in cells))
+        cells = ["-"] + [f"{m(n, f'r{rate}_cpu_us'):.1f}" for n in names[1:]]
+        print(f"{f'CPU us/request at {rate}/s':<34}" + "".join(f"{c:>15}" for c in cells))
+    for label, key in (
+        ("RSS MB after load", "rss_mb"),
+        ("RSS MB after 1 MiB bodies", "rss_after_big_mb"),
+        ("1 MiB bodies, MB/s both ways", "big_mb_s"),
+        ("10k idle conns: MB added", "idle_added_mb"),
+        ("10k idle conns: KB per conn", "idle_kb_per_conn"),
+    ):
+        cells = [f"{m(n, key):.1f}" if key in res.rows.get(n, {}) else "-" for n in names]
+        print(f"{label:<34}" + "".join(f"{c:>15}" for c in cells))
+
+    sc, ng = "retry-sidecar", "nginx"
+    print("\nretry-sidecar / nginx (target):")
+    print(
+        f"  peak throughput, 64 conns     {m(sc, 'peak_c64') / m(ng, 'peak_c64'):.3f}x   (>= 0.25x)"
+    )
+    print(f"  peak throughput, 16 conns     {m(sc, 'peak_c16') / m(ng, 'peak_c16'):.3f}x")
+    print(
+        f"  CPU per request at 2000/s     {m(sc, 'r2000_cpu_us') / m(ng, 'r2000_cpu_us'):.2f}x   (<= 2x)"
+    )
+    print(
+        f"  added p99 at 500/s            {added(sc, 'r500_p99_ms') / max(1e-6, added(ng, 'r500_p99_ms')):.2f}x   (<= 1.5x)"
+    )
+    print(
+        f"  1 MiB bodies MB/s             {m(sc, 'big_mb_s') / m(ng, 'big_mb_s'):.2f}x   (>= 0.5x)"
+    )
+    print(f"  RSS under load                {m(sc, 'rss_mb'):.1f} MB   (<= 40 MB)")
+    print(f"  10k idle connections add      {m(sc, 'idle_added_mb'):.1f} MB   (<= 40 MB)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
