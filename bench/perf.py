@@ -131,7 +131,7 @@ class Proc:
         return total / 1e6
 
     def stop(self) -> None:
-        if self.popen is not None and self.popen.poll() is None:
+        if self.popen is not None and self.popen.poll() is None:  # only what we started, by PID
             self.popen.send_signal(signal.SIGTERM)
             try:
                 self.popen.wait(10)
@@ -151,11 +151,10 @@ def wait_port(port: int, timeout: float = 15.0) -> None:
     raise TimeoutError(f"nothing listens on {port}")
 
 
-def start(name: str, cmd: list[str], port: int, cpu: int, log: Path) -> Proc:
+def start_into(proc: Proc, cmd: list[str], cpu: int, log: Path) -> None:
     out = open(log, "wb")  # noqa: SIM115 - kept open for the process's life
-    p = Proc(name, port, subprocess.Popen(cmd, stdout=out, stderr=out, preexec_fn=pin(cpu)))
-    wait_port(port)
-    return p
+    proc.popen = subprocess.Popen(cmd, stdout=out, stderr=out, preexec_fn=pin(cpu))
+    wait_port(proc.port)
 
 
 NGINX_COMMON = """
@@ -383,16 +382,23 @@ def main() -> int:
     procs: list[Proc] = []
     res = Results()
     try:
-        upstream = start("upstream", nginx_upstream(d, up_port), up_port, LOAD_CPU, d / "up.log")
+        upstream = Proc("upstream", up_port)
         procs.append(upstream)
+        start_into(upstream, nginx_upstream(d, up_port), LOAD_CPU, d / "up.log")
         p_ng, p_ha, p_sc, p_adm = free_port(), free_port(), free_port(), free_port()
-        proxies = [
-            start("nginx", nginx_proxy(d, p_ng, up_port), p_ng, PROXY_CPU, d / "ng.log"),
-            start("haproxy", haproxy(d, p_ha, up_port), p_ha, PROXY_CPU, d / "ha.log"),
-            start("retry-sidecar", sidecar(d, p_sc, p_adm, up_port), p_sc, PROXY_CPU, d / "sc.log"),
-        ]
-        procs.extend(proxies)
-        targets = [("direct", up_port, None)] + [(p.name, p.port, p) for p in proxies]
+        proxies: list[Proc] = []
+        for name, cmd, port in (
+            ("nginx", nginx_proxy(d, p_ng, up_port), p_ng),
+            ("haproxy", haproxy(d, p_ha, up_port), p_ha),
+            ("retry-sidecar", sidecar(d, p_sc, p_adm, up_port), p_sc),
+        ):
+            # Kept in procs as soon as it exists, so a later failure still stops it.
+            px = Proc(name, port)
+            procs.append(px)
+            start_into(px, cmd, PROXY_CPU, d / f"{name}.log")
+            proxies.append(px)
+        targets: list[tuple[str, int, Proc | None]] = [("direct", up_port, None)]
+        targets += [(p.name, p.port, p) for p in proxies]
         for _name, port, _ in targets:  # warm up
             peak(port, 16, 1.0)
         for r in range(rounds):

@@ -7,20 +7,21 @@ It is deliberately thin: routing and header rules are pure functions in ``routin
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import json
 import logging
 import math
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from aiohttp import web
-from opentelemetry.trace import Span
 
 from sidecar.config.model import Config, IpNetwork, Route
 from sidecar.dlq.capture import Captured, capture
 from sidecar.proxy import forward
 from sidecar.proxy.deps import ProxyDeps
-from sidecar.proxy.respond import ProxyResponse, client_error, proxy_error
+from sidecar.proxy.respond import ProxyFullResponse, ProxyResponse, client_error, proxy_error
 from sidecar.proxy.routing import find_route
 from sidecar.proxy.sequence import Exchange, execute
 from sidecar.retry.deadline import Deadline, parse_timeout_ms
@@ -30,6 +31,9 @@ from sidecar.telemetry.events import SequenceEnded
 from sidecar.telemetry.logs import RateLimit
 from sidecar.upstream.client import Body, UpstreamResponse
 from sidecar.upstream.errors import UpstreamError
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 log = logging.getLogger("sidecar.proxy")
 
@@ -46,7 +50,9 @@ def peer_of(request: web.BaseRequest) -> str:
     return ""
 
 
+@functools.lru_cache(maxsize=4096)
 def is_trusted(peer: str, networks: tuple[IpNetwork, ...]) -> bool:
+    """Cached: parsing the peer address on every request cost ~2% of the CPU."""
     try:
         addr = ipaddress.ip_address(peer)
     except ValueError:
@@ -287,6 +293,20 @@ class ProxyHandler:
         span: Span | None,
         captured: Captured | None,
     ) -> web.StreamResponse:
+        resp: web.StreamResponse
+        if up.complete:
+            # The whole body is already here (the common small response): one write.
+            body = up.take_body() if up.has_body else b""
+            up.release()
+            resp = ProxyFullResponse(status=up.status, body=body or None)
+            for k, v in forward.response_headers(up.headers):
+                resp.headers.add(k, v)
+            resp.headers["x-retry-attempts"] = str(result.attempts)
+            resp.headers["x-retry-fate"] = result.fate.value
+            _dlq_headers(resp, captured)
+            return self._finish(
+                request, route, start, resp, result.fate, result.attempts, None, span
+            )
         resp = ProxyResponse(status=up.status)
         for k, v in forward.response_headers(up.headers):
             resp.headers.add(k, v)

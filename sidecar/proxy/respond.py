@@ -24,6 +24,18 @@ class ProxyResponse(web.StreamResponse):
                 del self.headers[name]
 
 
+class ProxyFullResponse(web.Response):
+    """The same, for a response whose whole body is already here: aiohttp then sends the head
+    and the body in one write instead of three (a large share of the per-request cost)."""
+
+    async def _prepare_headers(self) -> None:
+        given = {name for name in _INJECTED if name in self.headers}
+        await super()._prepare_headers()
+        for name in _INJECTED:
+            if name not in given and name in self.headers:
+                del self.headers[name]
+
+
 def proxy_error(
     status: int, code: str, message: str, fate: Fate | str, attempts: int
 ) -> web.Response:

@@ -4,8 +4,7 @@ tracing and the breaker's one record. Used for client requests and for DLQ repla
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from opentelemetry.trace import Span
+from typing import TYPE_CHECKING
 
 from sidecar.config.model import Route
 from sidecar.proxy import forward
@@ -17,6 +16,9 @@ from sidecar.retry.deadline import Deadline
 from sidecar.retry.decide import Constraints, Fate
 from sidecar.retry.loop import SequenceResult, run_sequence
 from sidecar.upstream.client import Body, UpstreamResponse
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 
 @dataclass

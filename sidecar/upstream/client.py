@@ -49,6 +49,18 @@ class UpstreamResponse:
         c = self._conn
         return not (c.head_only or self.status in (204, 304))
 
+    @property
+    def complete(self) -> bool:
+        """The whole response, body included, has arrived."""
+        return self._conn.complete and self._conn.error is None
+
+    def take_body(self) -> bytes:
+        """All of the body, when ``complete``."""
+        assert self.complete
+        body = b"".join(self._conn.body)
+        self._conn.body.clear()
+        return body
+
     async def read_chunk(self, idle_timeout: float) -> bytes:
         return await self._conn.read_chunk(idle_timeout)
 
