@@ -189,7 +189,9 @@ def nginx_upstream(d: Path, port: int) -> list[str]:
     location / {{ default_type text/plain; return 200 "{SMALL_BODY}"; }}
   }}"""
     conf = d / "upstream.conf"
-    conf.write_text(NGINX_COMMON.format(d=d, n="upstream", body=body, nofile=NOFILE, conns=NOFILE // 2))
+    conf.write_text(
+        NGINX_COMMON.format(d=d, n="upstream", body=body, nofile=NOFILE, conns=NOFILE // 2)
+    )
     return ["nginx", "-p", str(d), "-c", str(conf), "-e", str(d / "upstream.err")]
 
 
@@ -205,7 +207,9 @@ def nginx_proxy(d: Path, port: int, up: int) -> list[str]:
     }}
   }}"""
     conf = d / "nginx-proxy.conf"
-    conf.write_text(NGINX_COMMON.format(d=d, n="proxy", body=body, nofile=NOFILE, conns=NOFILE // 2))
+    conf.write_text(
+        NGINX_COMMON.format(d=d, n="proxy", body=body, nofile=NOFILE, conns=NOFILE // 2)
+    )
     return ["nginx", "-p", str(d), "-c", str(conf), "-e", str(d / "proxy.err")]
 
 
@@ -306,7 +310,14 @@ def peak(port: int, conns: int, duration: float) -> float:
 def fixed_rate(port: int, rate: int, duration: float, script: Path) -> dict[str, float]:
     conns = max(4, rate // 100)
     out = wrk(
-        ["-t1", f"-c{conns}", f"-d{int(duration)}s", "-s", str(script), f"http://127.0.0.1:{port}/"],
+        [
+            "-t1",
+            f"-c{conns}",
+            f"-d{int(duration)}s",
+            "-s",
+            str(script),
+            f"http://127.0.0.1:{port}/",
+        ],
         env={"RATE": str(rate), "CONNS": str(conns)},
     )
     vals = dict(re.findall(r"^(REQS|ERRS|P50|P99|P99\.9) (\d+)$", out, re.M))
@@ -320,7 +331,9 @@ def fixed_rate(port: int, rate: int, duration: float, script: Path) -> dict[str,
 
 
 def big_bodies(port: int, duration: float, script: Path) -> float:
-    out = wrk(["-t1", "-c8", f"-d{int(duration)}s", "-s", str(script), f"http://127.0.0.1:{port}/big"])
+    out = wrk(
+        ["-t1", "-c8", f"-d{int(duration)}s", "-s", str(script), f"http://127.0.0.1:{port}/big"]
+    )
     reqs = float(re.search(r"^REQS (\d+)$", out, re.M).group(1))  # type: ignore[union-attr]
     return reqs * 2 * BIG / duration / 1e6  # MB/s, request and response bodies together
 

@@ -24,6 +24,7 @@ from sidecar.dlq.store import DlqStore
 from sidecar.lifecycle import Lifecycle
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.handler import ProxyHandler
+from sidecar.proxy.server import SidecarServer
 from sidecar.retry.breaker import GAUGE, State
 from sidecar.retry.loop import Clock
 from sidecar.retry.routestate import RouteStates
@@ -207,8 +208,10 @@ class Sidecar:
         else:
             self.admin_extra.extend(no_dlq_routes(config.dlq.path))
 
-        server = web.Server(
+        server = SidecarServer(
             ProxyHandler(self.deps),
+            header_timeout=lambda: self.store.current.limits.header_timeout,
+            on_malformed=self.deps.malformed,
             auto_decompress=False,  # bodies pass through byte-identical (DESIGN.md section 8)
             access_log=None,
         )
@@ -231,6 +234,7 @@ class Sidecar:
                 life=self.life,
                 clock=self.clock,
                 token=token,
+                stats=self.process_stats,
             ),
             self.admin_extra,
         )
@@ -291,3 +295,27 @@ class Sidecar:
 
     def task_names(self) -> list[str]:
         return sorted(self._tasks)
+
+    def process_stats(self) -> dict[str, Any]:
+        """For GET /stats and the soak benchmark: what a leak would make grow."""
+        rss = 0
+        try:
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            pass
+        try:
+            fds = len(os.listdir("/proc/self/fd"))
+        except OSError:
+            fds = -1
+        return {
+            "rss_bytes": rss,
+            "open_fds": fds,
+            "asyncio_tasks": len(asyncio.all_tasks()),
+            "background_tasks": self.task_names(),
+            "pool": {
+                k: {"total": v.total, "idle": v.idle, "waiting": v.waiting}
+                for k, v in self.client.stats().items()
+            },
+            "dlq_writer_queue": self.dlq.queue_depth() if self.dlq is not None else None,
+        }

@@ -57,6 +57,7 @@ class AdminDeps:
     life: Lifecycle
     clock: Clock
     token: str | None
+    stats: Callable[[], dict[str, Any]] = dict
 
 
 def route_json(r: Route) -> dict[str, Any]:
@@ -250,6 +251,9 @@ def build_admin_app(deps: AdminDeps, extra: list[ExtraRoute] | None = None) -> w
             }
         return web.json_response({"routes": out})
 
+    async def stats(request: web.Request) -> web.Response:
+        return web.json_response(deps.stats())
+
     def _scope_ok(scope: str) -> bool:
         if scope == "global":
             return True
@@ -271,6 +275,7 @@ def build_admin_app(deps: AdminDeps, extra: list[ExtraRoute] | None = None) -> w
     r.add_put("/killswitch", put_kill)
     r.add_delete("/killswitch", delete_kill)
     r.add_get("/breakers", breakers)
+    r.add_get("/stats", stats)
     for method, path, handler, token_even_for_get in extra or []:
         res = r.add_route(method, path, handler)
         if token_even_for_get:

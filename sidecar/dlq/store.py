@@ -105,6 +105,9 @@ class DlqStore:
         self.corrupt_moved_to: str | None = None
         self.available = False
 
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
     # -- lifecycle -------------------------------------------------------------------------
 
     def open(self) -> None:

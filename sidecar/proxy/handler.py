@@ -23,6 +23,7 @@ from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.respond import ProxyFullResponse, ProxyResponse, client_error, proxy_error
 from sidecar.proxy.routing import find_route
 from sidecar.proxy.sequence import Exchange, execute
+from sidecar.proxy.server import GuardedRequestHandler
 from sidecar.retry.deadline import Deadline, parse_timeout_ms
 from sidecar.retry.decide import Fate
 from sidecar.retry.loop import SequenceResult
@@ -77,23 +78,37 @@ class BodyTooLarge(Exception):
     pass
 
 
-async def _read_prefix(request: web.BaseRequest, limit: int) -> tuple[bytes, bool]:
+class BodyStalled(Exception):
+    pass
+
+
+async def _read(request: web.BaseRequest, n: int, idle: float) -> bytes:
+    """One read of the client's body, bounded by the body idle timeout."""
+    try:
+        async with asyncio.timeout(idle):
+            return await request.content.read(n)
+    except TimeoutError:
+        raise BodyStalled(f"the request body stalled for {idle:g}s") from None
+
+
+async def _read_prefix(request: web.BaseRequest, limit: int, idle: float) -> tuple[bytes, bool]:
     """Read up to limit+1 bytes: (bytes read, whether the body ended within the limit)."""
-    content = request.content
     buf = bytearray()
     while len(buf) <= limit:
-        chunk = await content.read(limit + 1 - len(buf))
+        chunk = await _read(request, limit + 1 - len(buf), idle)
         if not chunk:
             return bytes(buf), True
         buf += chunk
     return bytes(buf), False
 
 
-async def _rest(request: web.BaseRequest, prefix: bytes, max_total: int) -> AsyncIterator[bytes]:
+async def _rest(
+    request: web.BaseRequest, prefix: bytes, max_total: int, idle: float
+) -> AsyncIterator[bytes]:
     total = len(prefix)
     yield prefix
     while True:
-        chunk = await request.content.read(READ_CHUNK)
+        chunk = await _read(request, READ_CHUNK, idle)
         if not chunk:
             return
         total += len(chunk)
@@ -112,11 +127,20 @@ class ProxyHandler:
             return await self._handle(request)
         except (ConnectionError, asyncio.CancelledError):
             raise
+        except BodyStalled as exc:
+            self.deps.malformed("body-timeout")
+            resp = client_error(408, str(exc))
+            resp.force_close()
+            return resp
         except Exception:
             # A bug must not become a traceback per request: one bounded log line, a clean 502.
             if self._internal_errors.allow():
                 log.exception("internal error while proxying %s", request.method)
             return proxy_error(502, "internal", "internal error in the sidecar", "exhausted", 0)
+        finally:
+            proto = request.protocol
+            if isinstance(proto, GuardedRequestHandler):
+                proto.request_done()
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         deps = self.deps
@@ -126,6 +150,13 @@ class ProxyHandler:
             return client_error(400, "only HTTP/1.0 and HTTP/1.1 are accepted")
         method = request.method
         target = request.raw_path
+        raw_headers = request.raw_headers
+        head_bytes = len(target) + sum(len(k) + len(v) + 4 for k, v in raw_headers)
+        if head_bytes > config.limits.max_header_bytes:
+            deps.malformed("header-too-large")
+            return client_error(
+                431, f"request head of {head_bytes} bytes is over {config.limits.max_header_bytes}"
+            )
         path = target.split("?", 1)[0]
         route = find_route(config.routes, method, path, request.headers.get)
         if route is None:
@@ -140,7 +171,7 @@ class ProxyHandler:
 
         peer = peer_of(request)
         trusted = is_trusted(peer, config.trusted_peers)
-        shared, edge, timeout_ms = forward.request_headers(list(request.raw_headers), peer, trusted)
+        shared, edge, timeout_ms = forward.request_headers(list(raw_headers), peer, trusted)
         tracing = deps.tracing
         span: Span | None = None
         if tracing.enabled:
@@ -157,13 +188,14 @@ class ProxyHandler:
         chunked = False
         replayable = True
         if request.body_exists:
-            prefix, ended = await _read_prefix(request, route.retry.max_body_bytes)
+            idle = config.limits.body_idle_timeout
+            prefix, ended = await _read_prefix(request, route.retry.max_body_bytes, idle)
             if ended:
                 body = prefix
                 shared.append((b"Content-Length", str(len(prefix)).encode()))
             else:
                 replayable = False
-                body = _rest(request, prefix, config.limits.max_request_body)
+                body = _rest(request, prefix, config.limits.max_request_body, idle)
                 if length is not None:
                     shared.append((b"Content-Length", str(length).encode()))
                 else:

@@ -1,0 +1,93 @@
+"""Coverage-guided fuzzing with atheris (PyPI) of the config parser and the request-head
+handling, for a bounded time. What it finds becomes a regression test in
+tests/test_fuzz_regressions.py.
+
+    python3 -m bench.fuzz config --seconds 60
+    python3 -m bench.fuzz head --seconds 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+TARGETS = ("config", "head")
+
+
+def fuzz_config(data: bytes) -> None:
+    from sidecar.config.errors import ConfigError
+    from sidecar.config.parse import parse_text
+
+    text = data.decode("utf-8", "replace")
+    try:
+        parse_text(text, "fuzz.yaml")
+    except ConfigError as exc:
+        for line in exc.lines():
+            # Every rejection names the file, a line and a key path.
+            assert line.startswith("fuzz.yaml:"), line
+            assert line.count(": ") >= 2, line
+
+
+def fuzz_head(data: bytes) -> None:
+    """The pure part of request-head handling: header rules and routing on arbitrary bytes."""
+    from sidecar.proxy import forward
+    from sidecar.proxy.routing import find_route
+
+    lines = data.split(b"\r\n")
+    target = lines[0].decode("latin-1") if lines else "/"
+    headers = []
+    for line in lines[1:40]:
+        name, sep, value = line.partition(b":")
+        if sep:
+            headers.append((name.strip(), value.strip()))
+    out, _edge, _timeout = forward.request_headers(
+        headers, "127.0.0.1", trusted=bool(data[:1] == b"T")
+    )
+    for k, _ in out:
+        assert k.lower() not in forward.HOP_BY_HOP
+    forward.with_edge_tracestate(out)
+    forward.build_head("GET", target, out)
+    forward.response_headers(headers)
+    hmap = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
+    find_route(_ROUTES, "GET", target.split("?", 1)[0], hmap.get)
+
+
+def _routes():  # type: ignore[no-untyped-def]
+    from sidecar.config.parse import parse_text
+
+    return parse_text(
+        "version: 1\nroutes:\n"
+        "  - {name: a, upstream: 'http://h:1', match: {path_regex: '/v[0-9]+/.*'}}\n"
+        "  - {name: b, upstream: 'http://h:1', match: {headers: {x-t: y}, path_prefix: /b}}\n"
+        "  - {name: c, upstream: 'http://h:1'}\n"
+    ).routes
+
+
+_ROUTES = _routes()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("target", choices=TARGETS)
+    ap.add_argument("--seconds", type=int, default=60)
+    args = ap.parse_args()
+    try:
+        import atheris
+    except ImportError:
+        print("atheris is not installed: pip install atheris", file=sys.stderr)
+        return 2
+    fn = fuzz_config if args.target == "config" else fuzz_head
+    started = time.monotonic()
+    with atheris.instrument_imports():
+        import sidecar.config.parse
+        import sidecar.proxy.forward
+        import sidecar.proxy.routing  # noqa: F401
+    atheris.Setup([sys.argv[0], f"-max_total_time={args.seconds}", "-rss_limit_mb=2048"], fn)
+    atheris.Fuzz()
+    print(f"fuzzed {args.target} for {time.monotonic() - started:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

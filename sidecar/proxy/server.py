@@ -1,0 +1,160 @@
+"""The proxy's HTTP server: aiohttp's low-level server with the guards aiohttp lacks.
+
+aiohttp has no deadline for reading a request head (a client trickling one header line per
+second stays connected forever) and logs a traceback at ERROR for every malformed request
+(DESIGN.md section 8). This module subclasses its connection handler to:
+
+- cut a request head that is not complete within ``limits.header_timeout`` with 408;
+- answer malformed requests itself: 431 for a request line or header over 8190 bytes or more
+  than 100 header fields, 400 otherwise; JSON body, counted in a metric, logged at a bounded
+  rate, never a traceback.
+
+It relies on two aiohttp internals (``RequestHandler.data_received``'s message queue and
+``_make_error_handler``), pinned by the version range in pyproject.toml and covered by
+tests/test_hardening.py, which fail if either stops behaving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http import HttpVersion10, HttpVersion11, RawRequestMessage
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+from aiohttp.web_protocol import RequestHandler, _ErrInfo
+
+from sidecar.telemetry.logs import RateLimit
+
+log = logging.getLogger("sidecar.proxy")
+
+MAX_LINE = 8190
+MAX_FIELD = 8190
+MAX_HEADERS = 100
+_VERSIONS = (HttpVersion10, HttpVersion11)
+
+
+def _error_bytes(status: int, reason: str, message: str) -> bytes:
+    body = json.dumps({"error": message}).encode()
+    return (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n"
+        "x-retry-proxy-error: bad-request\r\n\r\n"
+    ).encode() + body
+
+
+class GuardedRequestHandler(RequestHandler):
+    """One client connection of the proxy listener."""
+
+    def __init__(self, manager: SidecarServer, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._guard = manager
+        self._head_timer: asyncio.TimerHandle | None = None
+        self.in_request = False
+
+    # -- the head deadline ------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if data and not self.in_request and self._head_timer is None:
+            self._head_timer = self._loop.call_later(
+                self._guard.header_timeout(), self._head_timed_out
+            )
+        before = len(self._messages)
+        super().data_received(data)
+        if len(self._messages) > before:
+            # A whole head was parsed (or rejected): the deadline is met.
+            self.in_request = True
+            self._cancel_head_timer()
+            for i in range(before, len(self._messages)):
+                msg, payload = self._messages[i]
+                if isinstance(msg, RawRequestMessage) and msg.version not in _VERSIONS:
+                    # aiohttp accepts e.g. "HTTP/2.0" over HTTP/1.1 framing (DESIGN.md 8):
+                    # refuse it before any handler sees it, answered as HTTP/1.x.
+                    err = BadHttpMessage(f"unsupported HTTP version {msg.version}")
+                    self._messages[i] = (_ErrInfo(400, err, err.message), payload)
+
+    def request_done(self) -> None:
+        """Called by the proxy handler when its response is finished."""
+        self.in_request = False
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.in_request or self.transport is None:
+            return
+        self._guard.count("header-timeout")
+        self._guard.warn("request head not complete within the header timeout; closing")
+        self.transport.write(
+            _error_bytes(408, "Request Timeout", "the request head took too long to arrive")
+        )
+        self.force_close()
+        self.transport.close()
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    # -- malformed requests -----------------------------------------------------------------
+
+    def _make_error_handler(
+        self, err_info: _ErrInfo
+    ) -> Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]:
+        exc = err_info.exc
+        too_large = isinstance(exc, LineTooLong) or (
+            isinstance(exc, BadHttpMessage) and "Too many headers" in str(exc)
+        )
+        status = 431 if too_large else err_info.status
+        reason = "header-too-large" if too_large else "malformed"
+        if "unsupported HTTP version" in str(exc):
+            reason = "http-version"
+        self._guard.count(reason)
+        self._guard.warn(f"refused a malformed request ({status}): {str(exc)[:200]}")
+
+        async def handler(request: web.BaseRequest) -> web.StreamResponse:
+            resp = web.json_response(
+                {
+                    "error": "request refused: "
+                    + ("request line or headers too large" if too_large else "malformed request")
+                },
+                status=status,
+                headers={"x-retry-proxy-error": "bad-request"},
+            )
+            resp.force_close()
+            return resp
+
+        return handler
+
+
+class SidecarServer(web.Server):
+    def __init__(
+        self,
+        handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
+        header_timeout: Callable[[], float],
+        on_malformed: Callable[[str], None],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            handler,
+            max_line_size=MAX_LINE,
+            max_field_size=MAX_FIELD,
+            max_headers=MAX_HEADERS,
+            **kwargs,
+        )
+        self.header_timeout = header_timeout
+        self.count = on_malformed
+        self._warn_limit = RateLimit(per_interval=10, interval=60.0)
+
+    def warn(self, message: str) -> None:
+        if self._warn_limit.allow():
+            suppressed = self._warn_limit.suppressed
+            log.warning(message + (f" ({suppressed} similar suppressed)" if suppressed else ""))
+
+    def __call__(self) -> GuardedRequestHandler:
+        return GuardedRequestHandler(self, loop=self._loop, **self._kwargs)

@@ -1,0 +1,130 @@
+"""Upstream faults through the in-repo fault proxy: the right retry decision, the right client
+status, no truncated 200 that looks whole, and no leaked upstream connection."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from sidecar.upstream.pool import PoolSettings
+from tests import faults
+from tests.conftest import routes_yaml
+from tests.rawhttp import raw_server
+
+POLICY = "    retry: {attempts: 2, per_try_timeout: 300ms}\n    breaker: {min_sequences: 100000}"
+
+
+def assert_no_leak(sc) -> None:
+    for stats in sc.sidecar.client.stats().values():
+        assert stats.total == stats.idle, stats  # nothing in use, nothing lost
+
+
+@pytest.mark.parametrize(
+    ("fault", "outcome"),
+    [
+        (faults.reset_before_request, "reset"),
+        (faults.reset_after_request, "reset"),
+        (faults.head_never_finishes, "per-try-timeout"),
+        (faults.half_close, "reset"),
+        (faults.garbage, "reset"),
+    ],
+)
+async def test_fault_then_recovery_is_retried(sidecar_factory, client, fault, outcome):
+    async with raw_server(faults.per_connection(fault, faults.ok)) as port:
+        sc = await sidecar_factory(routes_yaml(f"http://127.0.0.1:{port}", POLICY))
+        async with client.get(sc.url + "/x") as resp:
+            assert resp.status == 200 and await resp.read() == b"ok"
+            assert resp.headers["x-retry-attempts"] == "2"
+        assert [a.outcome for a in sc.recorder.attempts] == [outcome, "200"]
+        assert_no_leak(sc)
+
+
+@pytest.mark.parametrize(
+    ("fault", "status", "code"),
+    [
+        (faults.reset_after_request, 502, "upstream-reset"),
+        (faults.head_never_finishes, 504, "per-try-timeout"),
+        (faults.garbage, 502, "upstream-reset"),
+        (faults.half_close, 502, "upstream-reset"),
+    ],
+)
+async def test_persistent_fault_gives_the_right_status(
+    sidecar_factory, client, fault, status, code
+):
+    async with raw_server(fault) as port:
+        sc = await sidecar_factory(routes_yaml(f"http://127.0.0.1:{port}", POLICY))
+        async with client.get(sc.url + "/x") as resp:
+            assert resp.status == status
+            assert resp.headers["x-retry-proxy-error"] == code
+            assert resp.headers["x-retry-attempts"] == "2"
+        assert_no_leak(sc)
+
+
+async def test_post_without_key_is_not_resent_after_a_reset(sidecar_factory, client):
+    async with raw_server(faults.per_connection(faults.reset_after_request, faults.ok)) as port:
+        sc = await sidecar_factory(routes_yaml(f"http://127.0.0.1:{port}", POLICY))
+        async with client.post(sc.url + "/x", data=b"{}") as resp:
+            assert resp.status == 502 and resp.headers["x-retry-fate"] == "non-idempotent"
+        assert_no_leak(sc)
+
+
+@pytest.mark.parametrize("fault", [faults.reset_mid_body, faults.slow_drip])
+async def test_body_faults_never_give_a_truncated_whole_response(sidecar_factory, client, fault):
+    async with raw_server(fault) as port:
+        sc = await sidecar_factory(routes_yaml(f"http://127.0.0.1:{port}", POLICY))
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with client.get(sc.url + "/x") as resp:
+                assert resp.status == 200  # the head went out before the body broke
+                await resp.read()
+        await asyncio.sleep(0.1)
+        assert_no_leak(sc)
+        assert [a.outcome for a in sc.recorder.attempts] == ["200"]  # never retried
+
+
+async def test_connection_refused_is_a_connect_failure(sidecar_factory, client, unused_tcp_port):
+    sc = await sidecar_factory(routes_yaml(f"http://127.0.0.1:{unused_tcp_port}", POLICY))
+    async with client.get(sc.url + "/x") as resp:
+        assert resp.status == 502 and resp.headers["x-retry-proxy-error"] == "connect-failure"
+    assert [a.outcome for a in sc.recorder.attempts] == ["connect-failure"] * 2
+
+
+async def test_pool_exhausted_gives_a_distinct_503(upstream_factory, sidecar_factory, client):
+    async def slow(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(1.0)
+        return web.Response(text="slow")
+
+    up = await upstream_factory(slow)
+    sc = await sidecar_factory(
+        routes_yaml(up.url, "    retry: {per_try_timeout: 5s}"),
+        pool=PoolSettings(max_connections=1, wait_timeout=0.1),
+    )
+    first = asyncio.create_task(client.get(sc.url + "/x"))
+    await asyncio.sleep(0.2)
+    async with client.get(sc.url + "/x") as resp:
+        assert resp.status == 503
+        assert resp.headers["x-retry-proxy-error"] == "pool-exhausted"
+        assert resp.headers["x-retry-fate"] == "overloaded"
+    r1 = await first
+    assert r1.status == 200
+    r1.release()
+    assert_no_leak(sc)
+
+
+async def test_pool_returns_to_its_size_after_mixed_faults(sidecar_factory, client):
+    mix = faults.per_connection(
+        faults.reset_after_request, faults.garbage, faults.half_close, faults.ok
+    )
+    async with raw_server(mix) as port:
+        sc = await sidecar_factory(
+            routes_yaml(
+                f"http://127.0.0.1:{port}", "    retry: {attempts: 4, per_try_timeout: 300ms}"
+            )
+        )
+        for _ in range(5):
+            async with client.get(sc.url + "/x") as resp:
+                assert resp.status == 200
+        [stats] = sc.sidecar.client.stats().values()
+        assert stats.total == stats.idle == 1

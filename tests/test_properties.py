@@ -1,0 +1,121 @@
+"""Hypothesis properties over header handling and routing."""
+
+from __future__ import annotations
+
+import re
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidecar.config.model import Match
+from sidecar.config.parse import parse_text
+from sidecar.proxy import forward
+from sidecar.proxy.routing import find_route, matches
+
+TOKEN = st.text(alphabet="abcdefghijklmnopqrstuvwxyz-ABCXYZ0123456789", min_size=1, max_size=12)
+SPECIAL = st.sampled_from(
+    [
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "proxy-authorization",
+        "x-retry-edge",
+        "x-retry-attempt",
+        "x-request-timeout-ms",
+        "x-forwarded-for",
+        "tracestate",
+        "host",
+        "content-length",
+        "expect",
+        "idempotency-key",
+    ]
+)
+NAME = st.one_of(TOKEN, SPECIAL)
+VALUE = st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=30)
+HEADERS = st.lists(st.tuples(NAME, VALUE), max_size=15).map(
+    lambda hs: [(k.encode(), v.encode()) for k, v in hs]
+)
+
+
+@settings(max_examples=300)
+@given(HEADERS, st.booleans())
+def test_request_headers_never_leak_hop_by_hop_or_spoofed_retry_headers(raw, trusted):
+    out, edge, timeout = forward.request_headers(raw, "10.0.0.9", trusted)
+    named = forward.connection_named(raw)
+    names = [k.lower() for k, _ in out]
+    for n in names:
+        assert n not in forward.HOP_BY_HOP
+        assert n not in forward.OWN_REQUEST
+        assert n not in forward.REFRAMED
+        if n not in (b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"tracestate"):
+            assert n not in named
+    xff = [v for k, v in out if k == b"X-Forwarded-For"]
+    assert len(xff) == 1 and xff[0].endswith(b"10.0.0.9")
+    ts = [v for k, v in out if k == b"tracestate"]
+    assert not any(b"retry-sidecar=" in v for v in ts)
+    if not trusted:
+        assert edge is None and timeout is None
+
+
+@settings(max_examples=300)
+@given(HEADERS)
+def test_response_headers_drop_hop_by_hop_and_connection_named(raw):
+    out = forward.response_headers(raw)
+    named = forward.connection_named(raw)
+    for k, _ in out:
+        lk = k.lower().encode()
+        assert lk not in forward.HOP_BY_HOP and lk not in named and not lk.startswith(b"proxy-")
+        assert lk not in forward.OWN_RESPONSE
+
+
+@settings(max_examples=200)
+@given(HEADERS)
+def test_edge_tracestate_is_first_and_unique(raw):
+    out = forward.with_edge_tracestate(raw)
+    ts = [v for k, v in out if k == b"tracestate"]
+    assert len(ts) == 1 and ts[0].startswith(forward.EDGE_MEMBER)
+    assert len(ts[0].split(b",")) <= 32
+
+
+ROUTES = parse_text(
+    """
+version: 1
+routes:
+  - {name: exact, upstream: "http://h:1", match: {path: /exact}}
+  - {name: posts, upstream: "http://h:1", match: {path_prefix: /api, methods: [POST]}}
+  - {name: regex, upstream: "http://h:1", match: {path_regex: "/v[0-9]+/.*"}}
+  - {name: tenant, upstream: "http://h:1", match: {headers: {x-tenant: acme}}}
+  - {name: api, upstream: "http://h:1", match: {path_prefix: /api}}
+"""
+).routes
+PATH = st.one_of(
+    st.sampled_from(["/exact", "/api", "/api/x", "/v1/a", "/v12/", "/v/x", "/", "/exactly"]),
+    st.text(alphabet="/abcv0123%", max_size=12).map(lambda s: "/" + s),
+)
+
+
+@settings(max_examples=400)
+@given(PATH, st.sampled_from(["GET", "POST", "PUT"]), st.sampled_from([None, "acme", "other"]))
+def test_first_match_wins_and_agrees_with_a_reference(path, method, tenant):
+    def header(name: str) -> str | None:
+        return tenant if name == "x-tenant" else None
+
+    def reference(m: Match) -> bool:
+        if m.methods is not None and method not in m.methods:
+            return False
+        if m.path is not None and path != m.path:
+            return False
+        if m.path_prefix is not None and not path.startswith(m.path_prefix):
+            return False
+        if m.path_regex is not None and not re.fullmatch(m.path_regex.pattern, path):
+            return False
+        return all(header(n) == v for n, v in m.headers)
+
+    got = find_route(ROUTES, method, path, header)
+    expected = next((r for r in ROUTES if reference(r.match)), None)
+    assert got is expected
+    if got is not None:
+        assert matches(got.match, method, path, header)
