@@ -50,21 +50,27 @@ def fuzz_head(data: bytes) -> None:
     forward.build_head("GET", target, out)
     forward.response_headers(headers)
     hmap = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
-    find_route(_ROUTES, "GET", target.split("?", 1)[0], hmap.get)
+    find_route(_routes(), "GET", target.split("?", 1)[0], hmap.get)
+
+
+_CACHE: list[object] = []
 
 
 def _routes():  # type: ignore[no-untyped-def]
+    """Built on first use, after atheris has instrumented the modules."""
+    if _CACHE:
+        return _CACHE[0]
     from sidecar.config.parse import parse_text
 
-    return parse_text(
-        "version: 1\nroutes:\n"
-        "  - {name: a, upstream: 'http://h:1', match: {path_regex: '/v[0-9]+/.*'}}\n"
-        "  - {name: b, upstream: 'http://h:1', match: {headers: {x-t: y}, path_prefix: /b}}\n"
-        "  - {name: c, upstream: 'http://h:1'}\n"
-    ).routes
-
-
-_ROUTES = _routes()
+    _CACHE.append(
+        parse_text(
+            "version: 1\nroutes:\n"
+            "  - {name: a, upstream: 'http://h:1', match: {path_regex: '/v[0-9]+/.*'}}\n"
+            "  - {name: b, upstream: 'http://h:1', match: {headers: {x-t: y}, path_prefix: /b}}\n"
+            "  - {name: c, upstream: 'http://h:1'}\n"
+        ).routes
+    )
+    return _CACHE[0]
 
 
 def main() -> int:
