@@ -192,3 +192,14 @@ def test_version_flag():
         [sys.executable, "-m", "sidecar", "--version"], capture_output=True, text=True
     )
     assert res.returncode == 0 and res.stdout.startswith("retry-sidecar ")
+
+
+def test_upstream_pool_and_workers():
+    c = parse_text(
+        "version: 1\nupstream_pool: {max_connections: 8, wait_timeout: 50ms, idle_timeout: 2s}\n"
+        "workers: 1\nroutes: [{name: a, upstream: 'http://h:1'}]\n"
+    )
+    assert (c.upstream_pool.max_connections, c.upstream_pool.wait_timeout) == (8, 0.05)
+    assert c.upstream_pool.idle_timeout == 2.0 and c.upstream_pool.connect_timeout == 1.0
+    lines = errors_of("version: 1\nworkers: 4\nroutes: [{name: a, upstream: 'http://h:1'}]\n")
+    assert lines[0].startswith("c.yaml:2: workers: only 1 is supported")

@@ -128,3 +128,19 @@ async def test_pool_returns_to_its_size_after_mixed_faults(sidecar_factory, clie
                 assert resp.status == 200
         [stats] = sc.sidecar.client.stats().values()
         assert stats.total == stats.idle == 1
+
+
+async def test_idle_pooled_connections_are_closed_after_the_idle_timeout(
+    upstream_factory, sidecar_factory, client
+):
+    up = await upstream_factory()
+    sc = await sidecar_factory(
+        routes_yaml(up.url, top_extra="upstream_pool: {idle_timeout: 200ms}")
+    )
+    async with client.get(sc.url + "/x") as resp:
+        assert resp.status == 200
+    [stats] = sc.sidecar.client.stats().values()
+    assert stats.idle == 1
+    await asyncio.sleep(0.5)
+    [stats] = sc.sidecar.client.stats().values()
+    assert stats.total == stats.idle == 0

@@ -38,6 +38,7 @@ from sidecar.config.model import (
     Route,
     RouteDlq,
     Upstream,
+    UpstreamPool,
 )
 from sidecar.config.yamlnodes import Located, Path, YamlLoadError, load, path_str
 
@@ -259,6 +260,8 @@ class _Parser:
                 "dlq",
                 "limits",
                 "drain_timeout",
+                "upstream_pool",
+                "workers",
                 "defaults",
                 "routes",
             ),
@@ -309,6 +312,27 @@ class _Parser:
             ),
         )
         drain = self.field(top, "drain_timeout", (), _duration, 20.0)
+        praw = self.mapping(
+            top.get("upstream_pool"),
+            ("upstream_pool",),
+            ("max_connections", "wait_timeout", "connect_timeout", "idle_timeout"),
+        )
+        pd = UpstreamPool()
+        pp: Path = ("upstream_pool",)
+        pool = UpstreamPool(
+            max_connections=self.field(
+                praw, "max_connections", pp, _int_range(1, 100_000), pd.max_connections
+            ),
+            wait_timeout=self.field(praw, "wait_timeout", pp, _duration, pd.wait_timeout),
+            connect_timeout=self.field(
+                praw, "connect_timeout", pp, _positive_duration, pd.connect_timeout
+            ),
+            idle_timeout=self.field(praw, "idle_timeout", pp, _positive_duration, pd.idle_timeout),
+        )
+        # One process per sidecar, decided: several workers would each keep their own breaker,
+        # budget, kill switch and DLQ writer, silently dividing every threshold. Scale with
+        # replicas (each its own sidecar) instead.
+        self.field(top, "workers", (), _only_one_worker, 1)
 
         defaults = self.defaults(top.get("defaults"))
         routes = self.routes(top.get("routes"), defaults)
@@ -323,6 +347,7 @@ class _Parser:
             dlq=dlq,
             limits=limits,
             drain_timeout=drain,
+            upstream_pool=pool,
             routes=tuple(routes),
             source=source,
             sha256=sha,
@@ -585,6 +610,15 @@ def _upstream(value: object) -> Upstream:
     except ValueError:
         raise _Invalid(f"bad port in {value!r}") from None
     return Upstream(parts.hostname, port)
+
+
+def _only_one_worker(value: object) -> int:
+    if value != 1 or isinstance(value, bool):
+        raise _Invalid(
+            "only 1 is supported: a sidecar is one process (breaker, budget, kill switch and "
+            "DLQ are per process); run more replicas to use more cores"
+        )
+    return 1
 
 
 def _url_path(value: object) -> str:

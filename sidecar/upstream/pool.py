@@ -21,7 +21,7 @@ class PoolSettings:
     max_connections: int = 1024
     wait_timeout: float = 1.0
     connect_timeout: float = 1.0
-    idle_timeout: float = 30.0
+    idle_timeout: float = 4.0
 
 
 @dataclass(frozen=True, slots=True)
