@@ -3,6 +3,7 @@ in front, and assertions on what the upstream saw and what the client got."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 
@@ -396,3 +397,41 @@ async def test_http2_request_line_is_rejected(upstream_factory, sidecar_factory)
         'retry_sidecar_malformed_requests_total{reason="http-version"} 1'
         in sc.sidecar.metrics.render()
     )
+
+
+async def test_expect_100_continue_is_answered(upstream_factory, sidecar_factory):
+    up = await upstream_factory(reply(200, b"thanks"))
+    sc = await sidecar_factory(routes_yaml(up.url))
+    r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+    w.write(b"PUT /e HTTP/1.1\r\nHost: h\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+    await w.drain()
+    interim = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 0.5)  # no 1 s client wait
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    w.write(b"hello")
+    await w.drain()
+    head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 200")
+    w.close()
+    assert up.seen[0].body == b"hello" and up.seen[0].header("Expect") is None
+
+
+async def test_unknown_expectation_gets_417(upstream_factory, sidecar_factory):
+    up = await upstream_factory(reply(200))
+    sc = await sidecar_factory(routes_yaml(up.url))
+    out = await raw_request(
+        sc.sidecar.proxy_port,
+        b"PUT /e HTTP/1.1\r\nHost: h\r\nContent-Length: 1\r\nExpect: magic\r\nConnection: close\r\n\r\nx",
+        3.0,
+    )
+    assert out.startswith(b"HTTP/1.1 417")
+    assert up.seen == []
+
+
+async def test_http10_client_without_host_gets_the_upstream_authority(
+    upstream_factory, sidecar_factory
+):
+    up = await upstream_factory(reply(200, b"ok10"))
+    sc = await sidecar_factory(routes_yaml(up.url))
+    out = await raw_request(sc.sidecar.proxy_port, b"GET /old HTTP/1.0\r\n\r\n", 3.0)
+    assert out.startswith(b"HTTP/1.0 200") and out.endswith(b"ok10")
+    assert up.seen[0].header("Host") == f"127.0.0.1:{up.port}"

@@ -57,7 +57,11 @@ def _is_hop(lname: bytes, named: frozenset[bytes]) -> bool:
 
 
 def request_headers(
-    raw: list[tuple[bytes, bytes]], peer: str, trusted: bool, scheme: bytes = b"http"
+    raw: list[tuple[bytes, bytes]],
+    peer: str,
+    trusted: bool,
+    scheme: bytes = b"http",
+    default_host: bytes | None = None,
 ) -> tuple[list[tuple[bytes, bytes]], bytes | None, bytes | None]:
     """Headers to send upstream (minus per-attempt ones), plus the trusted edge marker and
     propagated timeout (None when absent or the peer is not trusted).
@@ -116,6 +120,9 @@ def request_headers(
     out.append((b"X-Forwarded-Proto", proto or scheme))
     if fwd_host or host:
         out.append((b"X-Forwarded-Host", fwd_host or host or b""))
+    if host is None and default_host is not None:
+        # An HTTP/1.0 client may send no Host; HTTP/1.1 upstreams require one.
+        out.append((b"Host", default_host))
     return out, edge, timeout
 
 
