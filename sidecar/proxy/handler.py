@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("sidecar.proxy")
 
 READ_CHUNK = 64 * 1024
+FULL_RESPONSE_MAX = 64 * 1024  # complete bodies up to this go out in one write
 
 
 def peer_of(request: web.BaseRequest) -> str:
@@ -350,7 +351,7 @@ class ProxyHandler:
         captured: Captured | None,
     ) -> web.StreamResponse:
         resp: web.StreamResponse
-        if up.complete:
+        if up.complete and up.buffered_bytes <= FULL_RESPONSE_MAX:
             # The whole body is already here (the common small response): one write.
             body = up.take_body() if up.has_body else b""
             up.release()

@@ -35,6 +35,13 @@ class ProxyFullResponse(web.Response):
             if name not in given and name in self.headers:
                 del self.headers[name]
 
+    async def write_eof(self, data: bytes = b"") -> None:
+        await super().write_eof(data)
+        # aiohttp's connection loop keeps the last response referenced while it waits for the
+        # next request on a kept-alive connection: drop the body once it is sent, or every idle
+        # client connection would hold its last response body.
+        self._body = None
+
 
 def proxy_error(
     status: int, code: str, message: str, fate: Fate | str, attempts: int

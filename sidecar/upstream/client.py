@@ -54,6 +54,10 @@ class UpstreamResponse:
         """The whole response, body included, has arrived."""
         return self._conn.complete and self._conn.error is None
 
+    @property
+    def buffered_bytes(self) -> int:
+        return self._conn.buffered
+
     def take_body(self) -> bytes:
         """All of the body, when ``complete``."""
         assert self.complete

@@ -185,6 +185,10 @@ class Connection(asyncio.Protocol):
 
     # -- used by the client ------------------------------------------------------------------
 
+    @property
+    def buffered(self) -> int:
+        return self._body_buffered
+
     def usable(self) -> bool:
         return not self.closed and self.transport is not None and not self.transport.is_closing()
 
