@@ -203,3 +203,13 @@ def test_upstream_pool_and_workers():
     assert c.upstream_pool.idle_timeout == 2.0 and c.upstream_pool.connect_timeout == 1.0
     lines = errors_of("version: 1\nworkers: 4\nroutes: [{name: a, upstream: 'http://h:1'}]\n")
     assert lines[0].startswith("c.yaml:2: workers: only 1 is supported")
+
+
+def test_huge_documents_are_refused_quickly():
+    import time
+
+    text = "version: 1\n" + "# filler\n" * 200_000  # ~1.8 MB
+    started = time.monotonic()
+    lines = errors_of(text)
+    assert any("larger than" in line for line in lines)
+    assert time.monotonic() - started < 5  # refused before any YAML work, not after it
