@@ -233,13 +233,13 @@ async def test_every_tier_gives_up_by_the_edge_deadline(upstream_factory, sideca
             assert resp.status == 504
             assert resp.headers["x-retry-fate"] == "deadline"
         elapsed = time.monotonic() - started
-        assert elapsed < 3.0  # the inner tiers' own timeouts are 10 s
+        assert elapsed < 5.0  # without propagation the inner tiers would wait their own 10 s
         [seen] = bottom.seen
         assert 0 < int(seen.header("x-request-timeout-ms") or 0) <= 1000
         await asyncio.sleep(0.2)
         for tier in (tier2, tier3):
             [seq] = tier.recorder.sequences
-            assert seq.duration <= 1.2, (tier, seq)
+            assert seq.duration <= 2.5, (tier, seq)  # the edge deadline (1 s), not their 10 s
     finally:
         for a in apps:
             await a.cleanup()
