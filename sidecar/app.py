@@ -67,15 +67,7 @@ class Sidecar:
         self.states.sync(config)
         self.kill = KillSwitch()
         self.life = Lifecycle()
-        self.client = UpstreamClient(
-            pool
-            or PoolSettings(
-                max_connections=config.upstream_pool.max_connections,
-                wait_timeout=config.upstream_pool.wait_timeout,
-                connect_timeout=config.upstream_pool.connect_timeout,
-                idle_timeout=config.upstream_pool.idle_timeout,
-            )
-        )
+        self.client = UpstreamClient(pool or config.upstream_pool)
         self.tracing = tracing or Tracing(None)
         self.deps = ProxyDeps(
             store=self.store,

@@ -36,13 +36,19 @@ def _load_or_exit(path: str) -> Config:
         raise SystemExit(1) from None
 
 
-def cmd_validate(args: argparse.Namespace) -> int:
-    path = args.path or args.config or default_config_path()
+def _parse_or_print(path: str) -> Config | None:
+    """For validate and explain: errors go to stdout, one line each."""
     try:
-        config = parse_file(path)
+        return parse_file(path)
     except ConfigError as exc:
         for line in exc.lines():
             print(line)
+        return None
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    config = _parse_or_print(args.path or args.config or default_config_path())
+    if config is None:
         return 1
     n = len(config.routes)
     print(f"OK: {n} route{'s' if n != 1 else ''}")
@@ -52,12 +58,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_explain(args: argparse.Namespace) -> int:
     from sidecar.explain import explain
 
-    path = args.path or args.config or default_config_path()
-    try:
-        config = parse_file(path)
-    except ConfigError as exc:
-        for line in exc.lines():
-            print(line)
+    config = _parse_or_print(args.path or args.config or default_config_path())
+    if config is None:
         return 1
     print(explain(config))
     return 0

@@ -356,20 +356,12 @@ class ProxyHandler:
             body = up.take_body() if up.has_body else b""
             up.release()
             resp = ProxyFullResponse(status=up.status, body=body or None)
-            for k, v in forward.response_headers(up.headers):
-                resp.headers.add(k, v)
-            resp.headers["x-retry-attempts"] = str(result.attempts)
-            resp.headers["x-retry-fate"] = result.fate.value
-            _dlq_headers(resp, captured)
+            _copy_headers(resp, up, result, captured)
             return self._finish(
                 request, route, start, resp, result.fate, result.attempts, None, span
             )
         resp = ProxyResponse(status=up.status)
-        for k, v in forward.response_headers(up.headers):
-            resp.headers.add(k, v)
-        resp.headers["x-retry-attempts"] = str(result.attempts)
-        resp.headers["x-retry-fate"] = result.fate.value
-        _dlq_headers(resp, captured)
+        _copy_headers(resp, up, result, captured)
         idle = route.retry.per_try_timeout
         try:
             await resp.prepare(request)
@@ -393,6 +385,19 @@ class ProxyHandler:
             up.discard()
             raise
         return self._finish(request, route, start, resp, result.fate, result.attempts, None, span)
+
+
+def _copy_headers(
+    resp: web.StreamResponse,
+    up: UpstreamResponse,
+    result: SequenceResult,
+    captured: Captured | None,
+) -> None:
+    for k, v in forward.response_headers(up.headers):
+        resp.headers.add(k, v)
+    resp.headers["x-retry-attempts"] = str(result.attempts)
+    resp.headers["x-retry-fate"] = result.fate.value
+    _dlq_headers(resp, captured)
 
 
 def _dlq_headers(resp: web.StreamResponse, captured: Captured | None) -> None:

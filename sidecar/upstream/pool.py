@@ -12,16 +12,12 @@ import socket
 from collections import deque
 from dataclasses import dataclass
 
+from sidecar.config.model import UpstreamPool
 from sidecar.upstream.connection import Connection
 from sidecar.upstream.errors import ConnectFailure, PoolExhausted
 
-
-@dataclass(frozen=True, slots=True)
-class PoolSettings:
-    max_connections: int = 1024
-    wait_timeout: float = 1.0
-    connect_timeout: float = 1.0
-    idle_timeout: float = 4.0
+# The pool's settings are the config's ``upstream_pool`` section itself.
+PoolSettings = UpstreamPool
 
 
 @dataclass(frozen=True, slots=True)
