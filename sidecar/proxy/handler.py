@@ -227,43 +227,12 @@ class ProxyHandler:
             return self._finish(request, route, start, resp413, Fate.NOT_RETRYABLE, 1, None, span)
         result = executed.result
         stored_body = body if isinstance(body, bytes) else None
-        if result is None:
-            captured = await capture(
-                deps.dlq,
-                route,
-                method,
-                target,
-                as_received,
-                stored_body,
-                Fate.BREAKER_OPEN,
-                0,
-                None,
-                "breaker open",
-                deps.dlq_write,
-            )
-            if captured is not None and captured.record_id and route.dlq.respond == "accepted":
-                return self._finish(
-                    request,
-                    route,
-                    start,
-                    accepted(captured.record_id, Fate.BREAKER_OPEN, 0),
-                    Fate.BREAKER_OPEN,
-                    0,
-                    None,
-                    span,
-                )
-            resp = proxy_error(
-                503,
-                "breaker-open",
-                f"circuit breaker of route {route.name} is open",
-                Fate.BREAKER_OPEN,
-                0,
-            )
-            resp.headers["Retry-After"] = str(max(1, math.ceil(executed.retry_after)))
-            _dlq_headers(resp, captured)
-            return self._finish(
-                request, route, start, resp, Fate.BREAKER_OPEN, 0, "breaker-open", span
-            )
+        error: str | None
+        if result is None:  # the breaker refused the sequence
+            fate, attempts, status, error = Fate.BREAKER_OPEN, 0, None, "breaker open"
+        else:
+            fate, attempts, status = result.fate, result.attempts, result.response_status
+            error = str(result.error) if result.error is not None else None
         captured = await capture(
             deps.dlq,
             route,
@@ -271,25 +240,24 @@ class ProxyHandler:
             target,
             as_received,
             stored_body,
-            result.fate,
-            result.attempts,
-            result.response_status,
-            str(result.error) if result.error is not None else None,
+            fate,
+            attempts,
+            status,
+            error,
             deps.dlq_write,
         )
         if captured is not None and captured.record_id and route.dlq.respond == "accepted":
-            if result.response is not None:
+            if result is not None and result.response is not None:
                 result.response.discard()
-            return self._finish(
-                request,
-                route,
-                start,
-                accepted(captured.record_id, result.fate, result.attempts),
-                result.fate,
-                result.attempts,
-                None,
-                span,
+            resp202 = accepted(captured.record_id, fate, attempts)
+            return self._finish(request, route, start, resp202, fate, attempts, None, span)
+        if result is None:
+            resp = proxy_error(
+                503, "breaker-open", f"circuit breaker of route {route.name} is open", fate, 0
             )
+            resp.headers["Retry-After"] = str(max(1, math.ceil(executed.retry_after)))
+            _dlq_headers(resp, captured)
+            return self._finish(request, route, start, resp, fate, 0, "breaker-open", span)
         return await self._answer(request, route, start, result, span, captured)
 
     def _finish(
