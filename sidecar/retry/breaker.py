@@ -51,6 +51,9 @@ class Rejected:
 
 
 Admission = Admitted | Rejected
+# Shared answers for the common cases: admit() runs once per request.
+_ADMIT = Admitted(probe=False)
+_PROBE = Admitted(probe=True)
 OnTransition = Callable[[State, State], None]
 
 
@@ -99,10 +102,10 @@ class Breaker:
         if self.state is State.HALF_OPEN:
             if self._probes_admitted < self.policy.half_open_probes:
                 self._probes_admitted += 1
-                return Admitted(probe=True)
+                return _PROBE
             # Every probe slot is taken; wait for their verdict.
             return Rejected(min(1.0, self.policy.open_for))
-        return Admitted(probe=False)
+        return _ADMIT
 
     def record(self, now: float, success: bool, probe: bool, wall: float | None = None) -> None:
         """The one outcome of one finished sequence."""

@@ -68,6 +68,8 @@ class Stop:
 
 
 Decision = Retry | Stop
+# One Stop per fate, shared: decide() runs after every attempt.
+_STOP = {f: Stop(f) for f in Fate}
 
 
 def decide(
@@ -84,20 +86,20 @@ def decide(
     """``attempt`` is the number of attempts made so far (1 after the first)."""
     retryable = is_retryable(policy, outcome)
     if deadline.expired(now) and (retryable or outcome.kind is not OutcomeKind.RESPONSE):
-        return Stop(Fate.DEADLINE)
+        return _STOP[Fate.DEADLINE]
     if not retryable:
-        return Stop(Fate.SUCCESS if is_success(outcome) else Fate.NOT_RETRYABLE)
+        return _STOP[Fate.SUCCESS] if is_success(outcome) else _STOP[Fate.NOT_RETRYABLE]
     if attempt >= policy.attempts:
-        return Stop(Fate.EXHAUSTED)
+        return _STOP[Fate.EXHAUSTED]
     untouched = nothing_reached_upstream(outcome)
     if not untouched and not constraints.may_resend:
-        return Stop(Fate.NON_IDEMPOTENT)
+        return _STOP[Fate.NON_IDEMPOTENT]
     if not untouched and not constraints.body_replayable:
-        return Stop(Fate.BODY_TOO_LARGE)
+        return _STOP[Fate.BODY_TOO_LARGE]
     if constraints.edge_owned and not untouched:
-        return Stop(Fate.EDGE_OWNED)
+        return _STOP[Fate.EDGE_OWNED]
     if constraints.killed:
-        return Stop(Fate.KILL_SWITCH)
+        return _STOP[Fate.KILL_SWITCH]
 
     remaining = deadline.remaining(now)
     if (
@@ -110,10 +112,10 @@ def decide(
             d = min(wanted, policy.retry_after.max)
             d += rng.uniform(0.0, d * RETRY_AFTER_JITTER)
             if d >= remaining:
-                return Stop(Fate.RETRY_AFTER_TOO_LONG)
+                return _STOP[Fate.RETRY_AFTER_TOO_LONG]
             return Retry(d, from_retry_after=True)
 
     d = backoff.delay(policy.backoff, attempt, previous_delay, rng)
     if d >= remaining:
-        return Stop(Fate.DEADLINE)
+        return _STOP[Fate.DEADLINE]
     return Retry(d)
