@@ -15,7 +15,8 @@ import time
 TARGETS = ("config", "head")
 
 
-def fuzz_config(data: bytes) -> None:
+def fuzz_config(data: bytes) -> list[str]:
+    """The rejection lines (empty when the document is valid)."""
     from sidecar.config.errors import ConfigError
     from sidecar.config.parse import parse_text
 
@@ -27,9 +28,11 @@ def fuzz_config(data: bytes) -> None:
             # Every rejection names the file, a line and a key path.
             assert line.startswith("fuzz.yaml:"), line
             assert line.count(": ") >= 2, line
+        return exc.lines()
+    return []
 
 
-def fuzz_head(data: bytes) -> None:
+def fuzz_head(data: bytes) -> list[tuple[bytes, bytes]]:
     """The pure part of request-head handling: header rules and routing on arbitrary bytes."""
     from sidecar.proxy import forward
     from sidecar.proxy.routing import find_route
@@ -51,6 +54,7 @@ def fuzz_head(data: bytes) -> None:
     forward.response_headers(headers)
     hmap = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
     find_route(_routes(), "GET", target.split("?", 1)[0], hmap.get)
+    return out
 
 
 _CACHE: list[object] = []

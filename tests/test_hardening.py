@@ -125,7 +125,9 @@ async def test_trickled_head_is_cut_with_408_while_others_are_served(
     out = await asyncio.wait_for(trickle_task, 5)
     t.cancel()
     assert status_of(out) == 408
-    assert time.monotonic() - started < 5  # the header timeout is 0.5 s; aiohttp alone waits forever
+    assert (
+        time.monotonic() - started < 5
+    )  # the header timeout is 0.5 s; aiohttp alone waits forever
     assert [s.raw_path for s in up.seen] == ["/fast"]
     w.close()
     assert 'malformed_requests_total{reason="header-timeout"} 1' in sc.sidecar.metrics.render()

@@ -688,7 +688,7 @@ def parse_text(text: str, source: str = "<memory>") -> Config:
     try:
         located = load(text)
     except YamlLoadError as exc:
-        raise ConfigError(source, [ConfigIssue(exc.line, "<document>", exc.message)]) from None
+        raise ConfigError(source, [ConfigIssue(exc.line, exc.path, exc.message)]) from None
     parser = _Parser(located)
     config = parser.config(source, sha)
     if config is None:

@@ -30,10 +30,11 @@ def path_str(path: Path) -> str:
 
 
 class YamlLoadError(ValueError):
-    def __init__(self, line: int, message: str) -> None:
+    def __init__(self, line: int, message: str, path: str = "<document>") -> None:
         super().__init__(message)
         self.line = line
         self.message = message
+        self.path = path
 
 
 @dataclass
@@ -104,4 +105,7 @@ def _convert(node: yaml.Node, path: Path, lines: dict[Path, int], budget: list[i
     try:
         return _SCALARS.construct_object(node)
     except yaml.YAMLError as exc:
-        raise YamlLoadError(node.start_mark.line + 1, f"invalid value: {exc}") from None
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise YamlLoadError(
+            node.start_mark.line + 1, f"unsupported value: {problem}", path_str(path)
+        ) from None
