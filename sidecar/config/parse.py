@@ -7,7 +7,6 @@ line that holds it.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import ipaddress
 import re
@@ -708,8 +707,3 @@ def parse_file(path: str) -> Config:
     except UnicodeDecodeError:
         raise ConfigError(path, [ConfigIssue(1, "<file>", "the file is not UTF-8")]) from None
     return parse_text(text, source=path)
-
-
-def replace(config: Config, **changes: Any) -> Config:
-    """A changed copy (tests and tools)."""
-    return dataclasses.replace(config, **changes)

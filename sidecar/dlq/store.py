@@ -398,12 +398,6 @@ class DlqStore:
         )
         return float(rows[0][0]) if rows else None
 
-    async def oldest_pending_created_at(self) -> float | None:
-        rows = await asyncio.to_thread(
-            self._read, "SELECT MIN(created_at) FROM records WHERE status = 'pending'", ()
-        )
-        return rows[0][0] if rows and rows[0][0] is not None else None
-
 
 def _summary(r: tuple[Any, ...]) -> dict[str, Any]:
     return {

@@ -148,9 +148,6 @@ class ProxyHandler:
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         deps = self.deps
         config: Config = deps.store.current  # one snapshot for the whole sequence
-        if request.version[0] != 1 or request.version[1] not in (0, 1):
-            deps.malformed("http-version")
-            return client_error(400, "only HTTP/1.0 and HTTP/1.1 are accepted")
         method = request.method
         target = request.raw_path
         raw_headers = request.raw_headers

@@ -6,7 +6,6 @@ from an injected clock so that drain can cut a backoff sleep short.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -45,22 +44,6 @@ class RetryGate(Protocol):
     def draining(self) -> bool: ...
 
     async def sleep(self, delay: float) -> None: ...
-
-
-class OpenGate:
-    """No switch, no budget, no drain: plain sleeping (tests and tools)."""
-
-    def killed(self) -> bool:
-        return False
-
-    def allow_retry(self) -> bool:
-        return True
-
-    def draining(self) -> bool:
-        return False
-
-    async def sleep(self, delay: float) -> None:
-        await asyncio.sleep(delay)
 
 
 @dataclass(slots=True)

@@ -121,7 +121,7 @@ class UpstreamClient:
         pool = self.pool(host, port)
         loop = asyncio.get_running_loop()
         started = loop.time()
-        conn, _reused = await pool.acquire(timeout)
+        conn = await pool.acquire(timeout)
         try:
             conn.begin(head_only)
             if body is None or isinstance(body, bytes):

@@ -44,7 +44,6 @@ class Connection(asyncio.Protocol):
         "idle_handle",
         "keep_alive",
         "key",
-        "received_any",
         "requests",
         "status",
         "transport",
@@ -78,7 +77,6 @@ class Connection(asyncio.Protocol):
         self._body_buffered = 0
         self._head_bytes = 0
         self._informational = False
-        self.received_any = False
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -93,7 +91,6 @@ class Connection(asyncio.Protocol):
             self._fail(UpstreamReset("unsolicited bytes from upstream"))
             self.close()
             return
-        self.received_any = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:

@@ -43,8 +43,8 @@ class Pool:
     def stats(self) -> PoolStats:
         return PoolStats(self._total, len(self._idle), len(self._waiters))
 
-    async def acquire(self, connect_timeout: float) -> tuple[Connection, bool]:
-        """A connection and whether it was reused from the pool."""
+    async def acquire(self, connect_timeout: float) -> Connection:
+        """An idle pooled connection (newest first), or a new one."""
         while True:
             while self._idle:
                 conn = self._idle.pop()
@@ -52,14 +52,14 @@ class Pool:
                     conn.idle_handle.cancel()
                     conn.idle_handle = None
                 if conn.usable():
-                    return conn, True
+                    return conn
                 self._forget(conn)
             if self._closed:
                 raise ConnectFailure("the upstream client is shut down")
             if self._total < self.settings.max_connections:
                 self._total += 1
                 try:
-                    return await self._connect(connect_timeout), False
+                    return await self._connect(connect_timeout)
                 except BaseException:
                     self._total -= 1
                     self._wake_one()
