@@ -388,3 +388,23 @@ async def test_no_dlq_file_without_a_dlq_route(upstream_factory, sidecar_factory
     async with client.get(admin(sc) + "/dlq") as resp:
         assert resp.status == 503
     assert not db.exists()
+
+
+async def test_delivered_records_are_pruned_after_the_audit_window(tmp_path):
+    from sidecar.dlq.record import NewRecord
+
+    store = DlqStore(str(tmp_path / "d.sqlite3"), 100, 10**6)
+    store.open()
+    try:
+        rec = NewRecord("r", "PUT", "/x", [], b"b", "exhausted", 1, 503, None, None, 1000.0)
+        keep = await store.add(rec)
+        gone = await store.add(rec)
+        await store.set_status(
+            gone, "delivered", count_replay=True, last_status=200, last_error=None
+        )
+        assert store.by_status == {"pending": 1, "delivered": 1}
+        assert await store.prune_delivered(older_than=4_000_000_000.0) == 1
+        assert await store.get(gone) is None and await store.get(keep) is not None
+        assert store.by_status["delivered"] == 0 and store.held_records == 1
+    finally:
+        store.close()
