@@ -169,6 +169,10 @@ class ProxyHandler:
                 413, f"request body of {length} bytes is over {config.limits.max_request_body}"
             )
 
+        expect = request.headers.get("Expect")
+        if expect is not None and expect.lower() != "100-continue":
+            return client_error(417, f"unsupported expectation {expect!r}")
+
         peer = peer_of(request)
         trusted = is_trusted(peer, config.trusted_peers)
         shared, edge, timeout_ms = forward.request_headers(
@@ -183,16 +187,10 @@ class ProxyHandler:
         as_received = list(shared)  # what a DLQ record keeps (before framing)
         clock = deps.clock
         start = clock.monotonic()
-        deadline = Deadline.start(start, route.timeout, parse_timeout_ms(_s(timeout_ms)))
-
-        expect = request.headers.get("Expect")
-        if expect is not None:
+        if expect is not None and request.version == (1, 1) and request.body_exists:
             # The low-level aiohttp server does not answer Expect itself (its router does):
             # without this a client waits its expect timeout (curl: 1 s) before sending.
-            if expect.lower() != "100-continue":
-                return client_error(417, f"unsupported expectation {expect!r}")
-            if request.version == (1, 1) and request.body_exists:
-                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
         # Body: buffered up to max_body_bytes so it can be resent; streamed once beyond.
         body: Body = None
@@ -214,6 +212,12 @@ class ProxyHandler:
                     shared.append((b"Transfer-Encoding", b"chunked"))
         elif method in ("POST", "PUT", "PATCH"):
             shared.append((b"Content-Length", b"0"))
+
+        # The sequence deadline starts once the request is received (as Envoy's route timeout
+        # does): a slow upload of a buffered body does not eat the upstream's time.
+        deadline = Deadline.start(
+            clock.monotonic(), route.timeout, parse_timeout_ms(_s(timeout_ms))
+        )
 
         idem = request.headers.get("Idempotency-Key") is not None
         exchange = Exchange(
