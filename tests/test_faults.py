@@ -144,3 +144,51 @@ async def test_idle_pooled_connections_are_closed_after_the_idle_timeout(
     await asyncio.sleep(0.5)
     [stats] = sc.sidecar.client.stats().values()
     assert stats.total == stats.idle == 0
+
+
+async def test_slow_upload_longer_than_the_per_try_timeout_still_succeeds(
+    upstream_factory, sidecar_factory, client
+):
+    up = await upstream_factory()
+    sc = await sidecar_factory(
+        routes_yaml(up.url, "    retry: {per_try_timeout: 300ms, max_body_bytes: 16}")
+    )
+
+    async def slow_body():
+        for _ in range(6):
+            await asyncio.sleep(0.1)  # 0.6 s in all, twice the per-try timeout
+            yield b"x" * 1000
+
+    async with client.put(sc.url + "/upload", data=slow_body()) as resp:
+        assert resp.status == 200 and resp.headers["x-retry-fate"] == "success"
+    assert len(up.seen[0].body) == 6000
+
+
+async def test_upstream_that_stops_reading_the_body_is_a_per_try_timeout(sidecar_factory, client):
+    async def never_reads(r, w):
+        await faults.read_request(r)
+        await asyncio.sleep(30)
+
+    async with raw_server(never_reads) as port:
+        sc = await sidecar_factory(
+            routes_yaml(
+                f"http://127.0.0.1:{port}",
+                "    retry: {per_try_timeout: 300ms}",
+                top_extra="limits: {max_request_body: 64MiB}",
+            ),
+        )
+        # More than loopback socket buffers hold, so the sidecar's writes really stall; without
+        # the drain bound the attempt would hang until the upstream closes (30 s, a "reset").
+        big = b"y" * (32 * 1024 * 1024)
+
+        async def chunks():
+            for i in range(0, len(big), 65536):
+                yield big[i : i + 65536]
+
+        try:
+            async with client.put(sc.url + "/x", data=chunks()) as resp:
+                await resp.read()
+        except aiohttp.ClientError:
+            pass  # the sidecar may answer before the client finished sending
+        assert [a.outcome for a in sc.recorder.attempts] == ["per-try-timeout"]
+        assert_no_leak(sc)

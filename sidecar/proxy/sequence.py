@@ -67,6 +67,9 @@ async def execute(deps: ProxyDeps, sidecar_name: bytes, ex: Exchange) -> Execute
     body, chunked, deadline, method = ex.body, ex.chunked, ex.deadline, ex.method
     upstream_name = route.upstream.authority
 
+    def time_left() -> float:
+        return deadline.remaining(clock.monotonic())
+
     async def send(attempt: int, timeout: float) -> UpstreamResponse:
         await bulkhead.acquire()
         remaining = deadline.remaining_ms(clock.monotonic())
@@ -77,7 +80,7 @@ async def execute(deps: ProxyDeps, sidecar_name: bytes, ex: Exchange) -> Execute
         if span is None:
             try:
                 up = await client.request(
-                    host, port, head + b"\r\n", body, timeout, head_only, chunked
+                    host, port, head + b"\r\n", body, timeout, head_only, chunked, time_left
                 )
             except BaseException:
                 bulkhead.release()
@@ -87,7 +90,9 @@ async def execute(deps: ProxyDeps, sidecar_name: bytes, ex: Exchange) -> Execute
         attempt_span = tracing.start_attempt(span, method, attempt, upstream_name)
         head += b"traceparent: " + tracing.traceparent(attempt_span) + b"\r\n\r\n"
         try:
-            up = await client.request(host, port, head, body, timeout, head_only, chunked)
+            up = await client.request(
+                host, port, head, body, timeout, head_only, chunked, time_left
+            )
         except BaseException as exc:
             bulkhead.release()
             tracing.end_attempt(attempt_span, None, getattr(exc, "code", type(exc).__name__))

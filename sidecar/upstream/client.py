@@ -111,12 +111,15 @@ class UpstreamClient:
         timeout: float,
         head_only: bool = False,
         chunked: bool = False,
+        time_left: Callable[[], float] | None = None,
     ) -> UpstreamResponse:
         """Send ``head`` (request line and headers, ending in a blank line) and ``body``.
 
-        ``timeout`` bounds connecting plus waiting for the response head. The request is sent
-        once: a failure is raised as an UpstreamError for the retry engine to judge, never
-        resent here.
+        ``timeout`` bounds connecting plus waiting for the response head; for a streamed body
+        the head wait starts once the body is sent (an upload may take longer than a per-try
+        timeout), bounded by ``time_left()`` (the sequence deadline), and the upstream must
+        keep taking body bytes within ``timeout``. The request is sent once: a failure is
+        raised as an UpstreamError for the retry engine to judge, never resent here.
         """
         pool = self.pool(host, port)
         loop = asyncio.get_running_loop()
@@ -126,10 +129,12 @@ class UpstreamClient:
             conn.begin(head_only)
             if body is None or isinstance(body, bytes):
                 conn.write(head + body if body else head)
+                head_wait = timeout - (loop.time() - started)
             else:
                 conn.write(head)
-                await _send_stream(conn, body, chunked)
-            await conn.wait_head(timeout - (loop.time() - started))
+                await _send_stream(conn, body, chunked, timeout)
+                head_wait = timeout if time_left is None else min(timeout, time_left())
+            await conn.wait_head(head_wait)
         except UpstreamError:
             conn.abort()
             pool.release(conn)
@@ -149,7 +154,9 @@ class UpstreamClient:
             pool.close()
 
 
-async def _send_stream(conn: Connection, body: AsyncIterator[bytes], chunked: bool) -> None:
+async def _send_stream(
+    conn: Connection, body: AsyncIterator[bytes], chunked: bool, idle: float
+) -> None:
     async for chunk in body:
         if not chunk:
             continue
@@ -159,7 +166,7 @@ async def _send_stream(conn: Connection, body: AsyncIterator[bytes], chunked: bo
             conn.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
         else:
             conn.write(chunk)
-        await conn.drain()
+        await conn.drain(idle)
     if chunked:
         conn.write(b"0\r\n\r\n")
 

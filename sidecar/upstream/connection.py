@@ -200,15 +200,19 @@ class Connection(asyncio.Protocol):
         assert self.transport is not None
         self.transport.write(data)
 
-    async def drain(self) -> None:
+    async def drain(self, idle_timeout: float) -> None:
+        """Wait until the upstream takes more bytes; an upstream that takes none for
+        ``idle_timeout`` has stalled (AttemptTimeout)."""
         if self.closed:
             raise self.error or UpstreamReset("upstream closed while sending")
         if not self._write_paused:
             return
-        self._drain_waiter = self._loop.create_future()
+        waiter = self._drain_waiter = self._loop.create_future()
+        timer = self._loop.call_later(idle_timeout, _stall, waiter)
         try:
-            await self._drain_waiter
+            await waiter
         finally:
+            timer.cancel()
             self._drain_waiter = None
 
     async def wait_head(self, timeout: float) -> None:
@@ -294,3 +298,8 @@ class Connection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+def _stall(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(AttemptTimeout("the upstream stopped reading the request body"))
