@@ -51,7 +51,8 @@ def explain_route(route: Route) -> list[str]:
 
 
 def explain(config: Config) -> str:
-    out = [f"{config.source}: {len(config.routes)} routes"]
+    n = len(config.routes)
+    out = [f"{config.source}: {n} route{'s' if n != 1 else ''}"]
     for route in config.routes:
         out.append("")
         out.extend(explain_route(route))
