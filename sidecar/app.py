@@ -214,6 +214,7 @@ class Sidecar:
             on_malformed=self.deps.malformed,
             auto_decompress=False,  # bodies pass through byte-identical (DESIGN.md section 8)
             access_log=None,
+            keepalive_timeout=config.limits.keepalive_timeout,
         )
         runner = web.ServerRunner(
             server, handle_signals=False, shutdown_timeout=config.drain_timeout

@@ -289,3 +289,17 @@ async def test_admin_token_is_never_logged(
     )
     async with client.get(base + "/config") as r:
         assert "t0ps3cret" not in await r.text()
+
+
+async def test_idle_client_connections_are_closed_after_the_keepalive_timeout(
+    upstream_factory, sidecar_factory
+):
+    _up, sc = await proxy(upstream_factory, sidecar_factory, "limits: {keepalive_timeout: 300ms}")
+    r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+    w.write(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
+    await w.drain()
+    head = await r.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    await r.readexactly(4)
+    assert await asyncio.wait_for(r.read(1), 5) == b""  # closed by the sidecar when idle
+    w.close()

@@ -157,6 +157,9 @@ class Limits:
     max_header_bytes: int = 32 * 1024
     header_timeout: float = 10.0
     body_idle_timeout: float = 30.0
+    # A client connection idle between requests is closed after this (nginx's default is 75 s;
+    # aiohttp's own is an hour). Each idle connection costs ~10 KB here.
+    keepalive_timeout: float = 75.0
     max_request_body: int = 1024 * 1024
 
 

@@ -293,7 +293,13 @@ class _Parser:
         lraw = self.mapping(
             top.get("limits"),
             ("limits",),
-            ("max_header_bytes", "header_timeout", "body_idle_timeout", "max_request_body"),
+            (
+                "max_header_bytes",
+                "header_timeout",
+                "body_idle_timeout",
+                "keepalive_timeout",
+                "max_request_body",
+            ),
         )
         d = Limits()
         limits = Limits(
@@ -308,6 +314,9 @@ class _Parser:
             ),
             max_request_body=self.field(
                 lraw, "max_request_body", ("limits",), units.parse_size, d.max_request_body
+            ),
+            keepalive_timeout=self.field(
+                lraw, "keepalive_timeout", ("limits",), _positive_duration, d.keepalive_timeout
             ),
         )
         drain = self.field(top, "drain_timeout", (), _duration, 20.0)

@@ -44,6 +44,8 @@ def needs_restart(old: Config, new: Config) -> list[str]:
         out.append(f"admin.listen: {old.admin.listen} -> {new.admin.listen} (restart to apply)")
     if old.admin.token_env != new.admin.token_env:
         out.append("admin.token_env changed (restart to apply)")
+    if old.limits.keepalive_timeout != new.limits.keepalive_timeout:
+        out.append("limits.keepalive_timeout changed (restart to apply)")
     if old.upstream_pool != new.upstream_pool:
         out.append("upstream_pool changed (restart to apply)")
     if old.dlq.path != new.dlq.path:
