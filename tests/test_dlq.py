@@ -408,3 +408,24 @@ async def test_delivered_records_are_pruned_after_the_audit_window(tmp_path):
         assert store.by_status["delivered"] == 0 and store.held_records == 1
     finally:
         store.close()
+
+
+async def test_unusable_dlq_path_means_unavailable_and_the_proxy_keeps_serving(
+    upstream_factory, sidecar_factory, client, tmp_path
+):
+    up = await upstream_factory(reply(503))
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("a file where the DLQ directory should be")
+    sc = await sidecar_factory(
+        dlq_yaml(up.url, not_a_dir / "dlq.sqlite3", "{enabled: true, respond: accepted}")
+    )
+    async with client.post(sc.url + "/o", data=b"{}") as resp:
+        assert resp.status == 503  # never a 202 without a durable record
+        assert resp.headers["x-retry-dlq"] == "unavailable"
+    up.script = [reply(200)]
+    async with client.post(sc.url + "/o", data=b"{}") as resp:
+        assert resp.status == 200
+    assert (
+        'retry_sidecar_dlq_writes_total{route="main",result="unavailable"} 1'
+        in sc.sidecar.metrics.render()
+    )
