@@ -188,11 +188,14 @@ def nginx_upstream(d: Path, port: int) -> list[str]:
     location = /big {{ root {d}/www; error_page 405 =200 $uri; }}
     location / {{ default_type text/plain; return 200 "{SMALL_BODY}"; }}
   }}"""
-    conf = d / "upstream.conf"
-    conf.write_text(
-        NGINX_COMMON.format(d=d, n="upstream", body=body, nofile=NOFILE, conns=NOFILE // 2)
-    )
-    return ["nginx", "-p", str(d), "-c", str(conf), "-e", str(d / "upstream.err")]
+    return nginx_command(d, "upstream", body)
+
+
+def nginx_command(d: Path, name: str, body: str) -> list[str]:
+    """Write d/<name>.conf around ``body`` and return the command that runs it."""
+    conf = d / f"{name}.conf"
+    conf.write_text(NGINX_COMMON.format(d=d, n=name, body=body, nofile=NOFILE, conns=NOFILE // 2))
+    return ["nginx", "-p", str(d), "-c", str(conf), "-e", str(d / f"{name}.err")]
 
 
 def nginx_proxy(d: Path, port: int, up: int) -> list[str]:
@@ -206,11 +209,7 @@ def nginx_proxy(d: Path, port: int, up: int) -> list[str]:
       proxy_set_header Connection "";
     }}
   }}"""
-    conf = d / "nginx-proxy.conf"
-    conf.write_text(
-        NGINX_COMMON.format(d=d, n="proxy", body=body, nofile=NOFILE, conns=NOFILE // 2)
-    )
-    return ["nginx", "-p", str(d), "-c", str(conf), "-e", str(d / "proxy.err")]
+    return nginx_command(d, "proxy", body)
 
 
 def haproxy(d: Path, port: int, up: int) -> list[str]:

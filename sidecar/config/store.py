@@ -11,13 +11,12 @@ from sidecar.config.model import Config
 @dataclass(frozen=True, slots=True)
 class LoadRecord:
     loaded_at: float  # epoch seconds
-    version: str  # sha256 of the file
 
 
 class ConfigStore:
     def __init__(self, config: Config) -> None:
         self._current = config
-        self.loaded = LoadRecord(time.time(), config.sha256)
+        self.loaded = LoadRecord(time.time())
         self.last_error: str | None = None
 
     @property
@@ -26,5 +25,5 @@ class ConfigStore:
 
     def swap(self, config: Config) -> None:
         self._current = config
-        self.loaded = LoadRecord(time.time(), config.sha256)
+        self.loaded = LoadRecord(time.time())
         self.last_error = None

@@ -77,27 +77,21 @@ async def execute(deps: ProxyDeps, sidecar_name: bytes, ex: Exchange) -> Execute
             attempt,
             remaining,
         )
-        if span is None:
-            try:
-                up = await client.request(
-                    host, port, head + b"\r\n", body, timeout, head_only, chunked, time_left
-                )
-            except BaseException:
-                bulkhead.release()
-                raise
-            up.on_done = bulkhead.release
-            return up
-        attempt_span = tracing.start_attempt(span, method, attempt, upstream_name)
-        head += b"traceparent: " + tracing.traceparent(attempt_span) + b"\r\n\r\n"
+        attempt_span = None
+        if span is not None:
+            attempt_span = tracing.start_attempt(span, method, attempt, upstream_name)
+            head += b"traceparent: " + tracing.traceparent(attempt_span) + b"\r\n"
         try:
             up = await client.request(
-                host, port, head, body, timeout, head_only, chunked, time_left
+                host, port, head + b"\r\n", body, timeout, head_only, chunked, time_left
             )
         except BaseException as exc:
             bulkhead.release()
-            tracing.end_attempt(attempt_span, None, getattr(exc, "code", type(exc).__name__))
+            if attempt_span is not None:
+                tracing.end_attempt(attempt_span, None, getattr(exc, "code", type(exc).__name__))
             raise
-        tracing.end_attempt(attempt_span, up.status, None)
+        if attempt_span is not None:
+            tracing.end_attempt(attempt_span, up.status, None)
         up.on_done = bulkhead.release
         return up
 

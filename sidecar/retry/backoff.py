@@ -7,7 +7,6 @@ Strategies follow the AWS Architecture Blog "Exponential Backoff and Jitter". Ev
 
 from __future__ import annotations
 
-import random
 from typing import Protocol
 
 from sidecar.config.model import Backoff
@@ -51,7 +50,3 @@ def delay(policy: Backoff, retry_number: int, previous: float | None, rng: Rng) 
     else:  # pragma: no cover - the parser admits only the names above
         raise ValueError(f"unknown backoff strategy {strategy!r}")
     return min(max(d, 0.0), policy.max)
-
-
-def default_rng() -> random.Random:
-    return random.Random()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
-from sidecar.retry.breaker import GAUGE, State
 from sidecar.telemetry.events import (
     AttemptEnded,
     BreakerTransitioned,
@@ -151,7 +150,6 @@ class Metrics:
             "Failed writes offered to the DLQ, by route and result "
             "(stored, full, unavailable, body-too-large).",
         )
-        self.extra: list[Counter | Gauge | Histogram] = []
 
     def all(self) -> list[Counter | Gauge | Histogram]:
         return [
@@ -170,7 +168,6 @@ class Metrics:
             self.dlq_records,
             self.dlq_oldest,
             self.dlq_writes,
-            *self.extra,
         ]
 
     def render(self) -> str:
@@ -196,4 +193,4 @@ class Metrics:
 
     def breaker_transitioned(self, e: BreakerTransitioned) -> None:
         self.breaker_transitions.inc((("route", e.route), ("to", e.to)))
-        self.breaker_state.set((("route", e.route),), GAUGE[State(e.to)])
+        # breaker_state is read from the breakers at scrape time (Sidecar._wire_gauges).

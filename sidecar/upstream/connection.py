@@ -44,7 +44,6 @@ class Connection(asyncio.Protocol):
         "idle_handle",
         "keep_alive",
         "key",
-        "requests",
         "status",
         "transport",
     )
@@ -61,7 +60,6 @@ class Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self.idle_handle: asyncio.TimerHandle | None = None
         self.closed = False
-        self.requests = 0
         self._reset_exchange()
 
     def _reset_exchange(self) -> None:
@@ -193,7 +191,6 @@ class Connection(asyncio.Protocol):
         """Prepare for one request/response exchange."""
         self._reset_exchange()
         self.head_only = head_only
-        self.requests += 1
         self._parser = httptools.HttpResponseParser(self)
 
     def write(self, data: bytes) -> None:
