@@ -299,6 +299,7 @@ class _Parser:
                 "body_idle_timeout",
                 "keepalive_timeout",
                 "max_request_body",
+                "send_timeout",
             ),
         )
         d = Limits()
@@ -317,6 +318,9 @@ class _Parser:
             ),
             keepalive_timeout=self.field(
                 lraw, "keepalive_timeout", ("limits",), _positive_duration, d.keepalive_timeout
+            ),
+            send_timeout=self.field(
+                lraw, "send_timeout", ("limits",), _positive_duration, d.send_timeout
             ),
         )
         drain = self.field(top, "drain_timeout", (), _duration, 20.0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
+from sidecar.core import ConnectFailure, UpstreamError, UpstreamReset
 from sidecar.upstream.connection import Connection
-from sidecar.upstream.errors import ConnectFailure, UpstreamError, UpstreamReset
 from sidecar.upstream.pool import Pool, PoolSettings, PoolStats
 
 Headers = list[tuple[bytes, bytes]]

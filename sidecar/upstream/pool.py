@@ -13,8 +13,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from sidecar.config.model import UpstreamPool
+from sidecar.core import ConnectFailure, PoolExhausted
 from sidecar.upstream.connection import Connection
-from sidecar.upstream.errors import ConnectFailure, PoolExhausted
 
 # The pool's settings are the config's ``upstream_pool`` section itself.
 PoolSettings = UpstreamPool
