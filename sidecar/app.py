@@ -7,7 +7,7 @@ import logging
 import os
 import random
 import sqlite3
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
@@ -15,14 +15,15 @@ from aiohttp import web
 from sidecar.admin.auth import check_exposure, token_from_env
 from sidecar.admin.killswitch import KillSwitch
 from sidecar.admin.server import AdminDeps, ExtraRoute, build_admin_app
-from sidecar.config.model import Config
+from sidecar.config.model import Config, Route
 from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader, ReloadResult
 from sidecar.core import Clock
 from sidecar.dlq.admin import dlq_routes, no_dlq_routes
 from sidecar.dlq.replay import Replayer
 from sidecar.dlq.store import DlqStore
-from sidecar.engine.routestate import RouteStates
+from sidecar.engine.resolve import Resolver
+from sidecar.engine.routestate import RouteState, RouteStates
 from sidecar.lifecycle import Lifecycle
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.handler import ProxyHandler
@@ -65,6 +66,7 @@ class Sidecar:
         self.events.sinks.append(RequestLog())
         self.states = RouteStates(self._on_breaker_transition)
         self.states.sync(config)
+        self.resolver = Resolver(self.states)
         self.kill = KillSwitch()
         self.life = Lifecycle()
         self.client = UpstreamClient(pool or config.upstream_pool)
@@ -142,6 +144,52 @@ class Sidecar:
             oldest = self.dlq.oldest_pending_sync()
             return {(): max(0.0, self.clock.wall() - oldest) if oldest else 0.0}
 
+        def routes() -> list[tuple[str, RouteState, Route]]:
+            now_routes = {r.name: r for r in self.store.current.routes}
+            return [(n, st, now_routes[n]) for n, st in self.states.items() if n in now_routes]
+
+        def per_route(
+            value: Callable[[RouteState, Route, float], float],
+        ) -> Callable[[], dict[Labels, float]]:
+            def collect() -> dict[Labels, float]:
+                now = self.clock.monotonic()
+                return {(("route", n),): value(st, r, now) for n, st, r in routes()}
+
+            return collect
+
+        def per_try(st: RouteState, r: Route, now: float) -> float:
+            p = r.retry.per_try_timeout
+            if p is not None:
+                return p
+            a = r.retry.auto_timeout
+            return st.latency.timeout(now, a.percentile, a.multiplier, a.min, a.max)
+
+        def endpoints() -> dict[Labels, float]:
+            now = self.clock.monotonic()
+            out: dict[Labels, float] = {}
+            for n, st, _ in routes():
+                healthy = st.endpoints.healthy(now)
+                out[(("route", n), ("state", "healthy"))] = float(healthy)
+                out[(("route", n), ("state", "ejected"))] = float(
+                    len(st.endpoints.endpoints) - healthy
+                )
+            return out
+
+        m = self.metrics
+        m.throttle_probability.collect = per_route(
+            lambda st, r, now: st.throttle.probability(now) if r.throttle.enabled else 0.0
+        )
+        m.concurrency_limit.collect = per_route(
+            lambda st, r, now: (
+                float(int(st.limiter.limit))
+                if r.bulkhead.adaptive
+                else float(r.bulkhead.max_concurrent)
+            )
+        )
+        m.concurrency_in_flight.collect = per_route(lambda st, r, now: float(st.limiter.in_flight))
+        m.per_try_timeout.collect = per_route(per_try)
+        m.breaker_open_seconds.collect = per_route(lambda st, r, now: st.breaker.open_period)
+        m.endpoints.collect = endpoints
         self.metrics.dlq_records.collect = dlq_records
         self.metrics.dlq_oldest.collect = dlq_oldest
         self.metrics.breaker_state.collect = breaker_states
@@ -259,6 +307,12 @@ class Sidecar:
 
         if self.reloader is not None:
             self.spawn("config-watch", self.reloader.watch(self.watch_interval))
+        self.spawn(
+            "dns-refresh",
+            self.resolver.watch(
+                lambda: self.store.current, lambda: self.store.current.upstream_pool.dns_refresh
+            ),
+        )
         if self.replayer is not None:
             self.spawn("dlq-redrive", self.replayer.redrive_loop())
             self.spawn("dlq-prune", self.replayer.prune_loop())

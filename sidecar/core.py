@@ -19,6 +19,7 @@ class Fate(StrEnum):
     NON_IDEMPOTENT = "non-idempotent"
     BODY_TOO_LARGE = "body-too-large"
     BUDGET_EXHAUSTED = "budget-exhausted"
+    THROTTLED = "throttled"  # the adaptive throttle refused a wanted retry
     BREAKER_OPEN = "breaker-open"
     KILL_SWITCH = "kill-switch"
     DEADLINE = "deadline"
@@ -112,3 +113,9 @@ class Overloaded(LocalOverload):
     """The route's bulkhead stayed full for its whole queue timeout."""
 
     code = "overloaded"
+
+
+class ConcurrencyLimited(LocalOverload):
+    """The route's adaptive concurrency limit is reached: latency says the upstream is queueing."""
+
+    code = "concurrency-limit"

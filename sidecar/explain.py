@@ -9,13 +9,86 @@ from sidecar.retry.worstcase import budget_multiplier, stacked, worst_case
 RATES = (100.0, 1000.0)
 
 
+def _per_try(route: Route) -> str:
+    p = route.retry
+    if p.per_try_timeout is not None:
+        return f"per-try {format_duration(p.per_try_timeout)} (an attempt is abandoned then)"
+    a = p.auto_timeout
+    return (
+        f"per-try auto ({a.multiplier:g} x p{a.percentile * 100:g} of recent attempts, "
+        f"{format_duration(a.min)}..{format_duration(a.max)}; never abandoned)"
+    )
+
+
+def _storm_lines(route: Route) -> list[str]:
+    """One line per storm-control mechanism, with what it does at its settings."""
+    b, t, h, br, bh = route.budget, route.throttle, route.hedge, route.breaker, route.bulkhead
+    p = route.retry
+    lines = []
+    retries_100 = min(p.attempts - 1, b.ratio + b.min_per_second / 100.0)
+    lines.append(
+        f"  retry budget: ratio {b.ratio:g} + {b.min_per_second:g}/s over "
+        f"{format_duration(b.window)}: at 100 req/s at most {retries_100:.2f} retries per request "
+        f"on average (attempts {p.attempts} alone would allow {p.attempts - 1}, as nginx's "
+        f"{p.attempts} tries do)"
+    )
+    if t.enabled:
+        lines.append(
+            f"  adaptive throttle: retries and hedges refused with p = (attempts - {t.k:g} x "
+            f"accepted) / (attempts + 1) over {format_duration(t.window)} (from "
+            f"{t.min_requests} attempts): none while >= {100 / t.k:.0f}% are accepted, "
+            f"{max(0.0, 1 - t.k * 0.4):.0%} at 60% failing, nearly all in an outage; "
+            f"first attempts are never throttled"
+        )
+    else:
+        lines.append("  adaptive throttle: off")
+    hedged = h.enabled and p.per_try_timeout is None and p.attempts > 1
+    if hedged:
+        lines.append(
+            f"  hedging: an idempotent request unanswered after the per-try timeout is raced "
+            f"by another attempt (another endpoint first); budget ratio {h.ratio:g} + "
+            f"{h.min_per_second:g}/s over {format_duration(h.window)}"
+        )
+    else:
+        why = "off" if not h.enabled else "needs per_try_timeout: auto and attempts >= 2"
+        lines.append(f"  hedging: {why}")
+    if br.enabled:
+        lines.append(
+            f"  breaker: opens when >= {br.failure_ratio:g} of >= {br.min_sequences} sequences in "
+            f"{format_duration(br.window)} failed after their whole policy; open "
+            f"{format_duration(br.open_for)}, doubled on each reopen up to "
+            f"{format_duration(br.max_open_for)}; half-open ramps traffic back over "
+            f"{format_duration(br.ramp)} (judging >= {br.half_open_probes} sequences)"
+        )
+    else:
+        lines.append("  breaker: off")
+    if bh.adaptive:
+        lines.append(
+            f"  concurrency: adaptive, {bh.min_concurrent}..{bh.max_concurrent} upstream attempts "
+            f"in flight following latency (over it: 503 at once); bulkhead "
+            f"{bh.max_concurrent} sequences, queue {format_duration(bh.queue_timeout)}"
+        )
+    else:
+        lines.append(
+            f"  concurrency: fixed bulkhead of {bh.max_concurrent} sequences, queue "
+            f"{format_duration(bh.queue_timeout)}"
+        )
+    eps = ", ".join(u.authority for u in route.upstreams)
+    lines.append(
+        f"  endpoints: {eps} (host names: every address, re-resolved; retries and hedges "
+        f"prefer another endpoint)"
+    )
+    lines.append("  kill switch: one attempt through the same path, none of the above")
+    return lines
+
+
 def explain_route(route: Route) -> list[str]:
     p = route.retry
     wc = worst_case(route)
     b = route.budget
     lines = [
-        f"route {route.name} -> {route.upstream}",
-        f"  policy: attempts {p.attempts}, per-try {format_duration(p.per_try_timeout)}, "
+        f"route {route.name} -> {', '.join(str(u) for u in route.upstreams)}",
+        f"  policy: attempts {p.attempts}, {_per_try(route)}, "
         f"deadline {format_duration(route.timeout)}, backoff {p.backoff.strategy} "
         f"{format_duration(p.backoff.base)}..{format_duration(p.backoff.max)}"
         + (
@@ -27,11 +100,14 @@ def explain_route(route: Route) -> list[str]:
         f"  worst-case wall clock:            {wc.wall_clock:.3f}s "
         f"(every attempt slow, every wait at its longest; ends as '{wc.wall_clock_fate.value}')",
     ]
+    lines.extend(_storm_lines(route))
     with_budget = [budget_multiplier(route, wc.attempts, r) for r in RATES]
+    steady = "x1.00 once the throttle has seen it" if route.throttle.enabled else ""
     lines.append(
         f"  upstream load in a full outage:   x{wc.attempts:.2f} without budget; with budget "
         f"(ratio {b.ratio:g}, floor {b.min_per_second:g}/s over {format_duration(b.window)}): "
         + ", ".join(f"x{m:.2f} at {r:g} req/s" for m, r in zip(with_budget, RATES, strict=True))
+        + (f"; {steady}" if steady else "")
     )
     m = with_budget[0]
     lines.append(

@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 
 from sidecar.config.parse import parse_text
-from sidecar.core import AttemptTimeout, OutcomeKind
-from sidecar.engine.loop import run_sequence
+from sidecar.core import AttemptTimeout, Fate, OutcomeKind, UpstreamError
+from sidecar.engine.attempts import Attempted
+from sidecar.engine.loop import outcome_of, run_sequence
 from sidecar.retry.classify import Outcome
 from sidecar.retry.deadline import Deadline
 from sidecar.retry.decide import Constraints
+from sidecar.retry.endpoints import Endpoint
 from sidecar.retry.worstcase import _Highest, budget_multiplier, simulate, stacked, worst_case
 from sidecar.telemetry.events import Recorder
 from sidecar.testing import FakeClock
@@ -37,8 +39,11 @@ class FakeSleepGate:
     def killed(self) -> bool:
         return False
 
-    def allow_retry(self) -> bool:
-        return True
+    def allow_retry(self) -> Fate | None:
+        return None
+
+    def allow_hedge(self) -> str | None:
+        return None
 
     def draining(self) -> bool:
         return False
@@ -59,16 +64,40 @@ class FakeResponse:
         pass
 
 
+class FakeAttempter:
+    """Each attempt fails as ``fail`` says, on the fake clock; never hedged."""
+
+    def __init__(self, clock: FakeClock, fail) -> None:
+        self.clock = clock
+        self.fail = fail
+        self.endpoint = Endpoint("h", 1)
+
+    def hedge_after(self) -> float | None:
+        return None
+
+    def has_room(self) -> bool:
+        return True
+
+    def pick(self, avoid) -> Endpoint:
+        return self.endpoint
+
+    async def attempt(self, number: int, hedge: bool, endpoint: Endpoint, timeout: float):
+        start = self.clock.monotonic()
+        try:
+            response = await self.fail(self.clock, timeout)
+        except UpstreamError as exc:
+            now = self.clock.monotonic()
+            return Attempted(number, endpoint, hedge, start, now, Outcome(exc.kind), None, exc)
+        now = self.clock.monotonic()
+        return Attempted(number, endpoint, hedge, start, now, outcome_of(response), response)
+
+
 async def drive(route, fail):
     clock = FakeClock()
     start = clock.monotonic()
-
-    async def send(attempt: int, timeout: float):
-        return await fail(clock, timeout)
-
     result = await run_sequence(
         route,
-        send,
+        FakeAttempter(clock, fail),
         Deadline.start(start, route.timeout),
         Constraints(),
         clock,

@@ -26,7 +26,7 @@ async def test_503_then_200_is_retried_with_attempt_headers(
         assert resp.headers["x-retry-fate"] == "success"
     assert [s.header("x-retry-attempt") for s in up.seen] == ["1", "2"]
     budgets = [int(s.header("x-request-timeout-ms") or -1) for s in up.seen]
-    assert 0 < budgets[1] <= budgets[0] <= 10_000
+    assert 0 < budgets[1] <= budgets[0] <= 60_000  # the default route timeout, as nginx
     assert all(s.header("x-retry-edge") == "test-edge" for s in up.seen)
     assert all("retry-sidecar=edge" in (s.header("tracestate") or "") for s in up.seen)
 

@@ -41,7 +41,7 @@ async def test_open_breaker_answers_503_without_calling_upstream_then_probes(
         routes_yaml(
             up.url,
             "    retry: {attempts: 2}\n"
-            "    breaker: {min_sequences: 3, failure_ratio: 0.5, open_for: 300ms, half_open_probes: 1}",
+            "    breaker: {min_sequences: 3, failure_ratio: 0.5, open_for: 300ms, half_open_probes: 1, ramp: 0s}",
         )
     )
     for _ in range(3):
@@ -88,6 +88,7 @@ async def test_budget_caps_retries_during_a_full_outage(upstream_factory, sideca
         routes_yaml(
             up.url,
             "    budget: {ratio: 0.2, min_per_second: 0, window: 10s}\n"
+            "    throttle: {enabled: false}\n"
             "    breaker: {min_sequences: 100000}",
         )
     )
@@ -170,19 +171,23 @@ async def start_app(next_url: str) -> web.AppRunner:
 
 
 async def three_tiers(upstream_factory, sidecar_factory, bottom, naive: bool, edge_route: str = ""):
+    # Naive: the marker ignored (no trusted peers) and no adaptive throttle, i.e. every tier
+    # retries on its own as a static retry policy does.
+    inner = "    throttle: {enabled: false}" if naive else ""
     tier3 = await sidecar_factory(
-        routes_yaml(bottom.url, top_extra='trusted_peers: ["10.0.0.0/8"]' if naive else "")
+        routes_yaml(bottom.url, inner, top_extra='trusted_peers: ["10.0.0.0/8"]' if naive else "")
     )
     app2 = await start_app(tier3.url)
     tier2 = await sidecar_factory(
         routes_yaml(
             f"http://127.0.0.1:{app2.addresses[0][1]}",
+            inner,
             top_extra='trusted_peers: ["10.0.0.0/8"]' if naive else "",
         )
     )
     app1 = await start_app(tier2.url)
     edge = await sidecar_factory(
-        routes_yaml(f"http://127.0.0.1:{app1.addresses[0][1]}", edge_route)
+        routes_yaml(f"http://127.0.0.1:{app1.addresses[0][1]}", edge_route or inner)
     )
     return edge, tier2, tier3, [app1, app2]
 

@@ -44,9 +44,24 @@ class RetryAfter:
 
 
 @dataclass(frozen=True, slots=True)
+class AutoTimeout:
+    """``retry.per_try_timeout: auto``: ``multiplier`` x the ``percentile`` of the route's
+    recent attempt latencies, clamped to [min, max]. When it expires, an attempt that may be
+    hedged is raced by a new one (never abandoned); any other attempt waits for the deadline."""
+
+    percentile: float = 0.95
+    multiplier: float = 2.0
+    min: float = 0.05
+    max: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
 class RetryPolicy:
     attempts: int = 3
-    per_try_timeout: float = 2.0
+    # None is ``auto`` (see AutoTimeout); a number is a fixed per-try timeout: the attempt is
+    # abandoned when it expires and counts as a per-try-timeout failure.
+    per_try_timeout: float | None = None
+    auto_timeout: AutoTimeout = field(default_factory=AutoTimeout)
     backoff: Backoff = field(default_factory=Backoff)
     retry_on: RetryOn = field(default_factory=RetryOn)
     retry_after: RetryAfter = field(default_factory=RetryAfter)
@@ -56,11 +71,14 @@ class RetryPolicy:
 
 @dataclass(frozen=True, slots=True)
 class BreakerPolicy:
+    enabled: bool = True
     failure_ratio: float = 0.5
     min_sequences: int = 20
-    window: float = 10.0
-    open_for: float = 30.0
-    half_open_probes: int = 3
+    window: float = 5.0
+    open_for: float = 1.0  # the first time it opens; doubled on each reopen up to max_open_for
+    max_open_for: float = 30.0
+    half_open_probes: int = 3  # ramp sequences judged before the half-open state may decide
+    ramp: float = 1.0  # half-open admits a share of traffic growing from 0 to all over this
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +92,35 @@ class BudgetPolicy:
 class BulkheadPolicy:
     max_concurrent: int = 1000
     queue_timeout: float = 1.0
+    # The adaptive concurrency limit: upstream attempts in flight follow latency between
+    # min_concurrent and max_concurrent (a gradient limit, as Envoy's adaptive-concurrency).
+    adaptive: bool = True
+    min_concurrent: int = 5
+
+
+@dataclass(frozen=True, slots=True)
+class ThrottlePolicy:
+    """Adaptive throttling (Google SRE book, "Handling Overload") of the attempts the sidecar
+    adds (retries and hedges): refused with probability
+    max(0, (requests - k * accepts) / (requests + 1)) over ``window``."""
+
+    enabled: bool = True
+    k: float = 2.0
+    window: float = 2.0
+    min_requests: int = 20
+
+
+@dataclass(frozen=True, slots=True)
+class HedgePolicy:
+    """Hedged requests: an idempotent attempt still running when the per-try timeout expires
+    is raced by another one (preferably to another endpoint); the first answer wins and the
+    others are cancelled. Hedges draw from their own budget: at most ``ratio`` of the
+    requests in ``window`` plus ``min_per_second``."""
+
+    enabled: bool = True
+    ratio: float = 0.1
+    min_per_second: float = 1.0
+    window: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,13 +167,27 @@ class Upstream:
 class Route:
     name: str
     match: Match
-    upstream: Upstream
+    upstreams: tuple[Upstream, ...]  # one or more endpoints (a DNS name may add more)
     timeout: float
     retry: RetryPolicy
     breaker: BreakerPolicy
     budget: BudgetPolicy
     bulkhead: BulkheadPolicy
     dlq: RouteDlq
+    throttle: ThrottlePolicy = field(default_factory=ThrottlePolicy)
+    hedge: HedgePolicy = field(default_factory=HedgePolicy)
+
+    @property
+    def upstream(self) -> Upstream:
+        """The first endpoint: its authority is the Host of an HTTP/1.0 request without one."""
+        return self.upstreams[0]
+
+    @property
+    def read_timeout(self) -> float:
+        """The idle timeout while an upstream response body is relayed: a fixed per-try
+        timeout, else the route's deadline (nginx's proxy_read_timeout is 60 s)."""
+        p = self.retry.per_try_timeout
+        return p if p is not None else self.timeout
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +238,9 @@ class UpstreamPool:
     # (Node.js 5 s, gunicorn 2 s, nginx 75 s), so the upstream never closes a connection
     # just as the sidecar reuses it.
     idle_timeout: float = 4.0
+    # Upstream host names are resolved to all their addresses (each one an endpoint) and
+    # re-resolved this often.
+    dns_refresh: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ import ipaddress
 import re
 import socket
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path as FsPath
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -20,12 +21,14 @@ from sidecar.config import units
 from sidecar.config.errors import ConfigError, ConfigIssue
 from sidecar.config.model import (
     Admin,
+    AutoTimeout,
     Backoff,
     BreakerPolicy,
     BudgetPolicy,
     BulkheadPolicy,
     Config,
     DlqStore,
+    HedgePolicy,
     IpNetwork,
     Limits,
     Listen,
@@ -36,6 +39,7 @@ from sidecar.config.model import (
     RetryPolicy,
     Route,
     RouteDlq,
+    ThrottlePolicy,
     Upstream,
     UpstreamPool,
 )
@@ -57,6 +61,8 @@ HTTP_METHODS = frozenset(
 )
 ROUTE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 MAX_ATTEMPTS = 10
+MAX_UPSTREAMS = 64
+ROUTE_SECTIONS = ("timeout", "retry", "breaker", "budget", "bulkhead", "throttle", "hedge", "dlq")
 DEFAULT_TRUSTED = ("127.0.0.0/8", "::1/128")
 
 
@@ -105,6 +111,7 @@ class _Parser:
             (
                 "attempts",
                 "per_try_timeout",
+                "auto_timeout",
                 "backoff",
                 "retry_on",
                 "retry_after",
@@ -124,11 +131,15 @@ class _Parser:
                     ra, "max", (*path, "retry_after"), _positive_duration, retry_after.max
                 ),
             )
+        auto = base.auto_timeout
+        if "auto_timeout" in raw:
+            auto = self.auto_timeout(raw["auto_timeout"], (*path, "auto_timeout"), auto)
         policy = RetryPolicy(
             attempts=self.field(raw, "attempts", path, _int_range(1, MAX_ATTEMPTS), base.attempts),
             per_try_timeout=self.field(
-                raw, "per_try_timeout", path, _positive_duration, base.per_try_timeout
+                raw, "per_try_timeout", path, _auto_or_duration, base.per_try_timeout
             ),
+            auto_timeout=auto,
             backoff=backoff,
             retry_on=self.field(raw, "retry_on", path, _retry_on, base.retry_on),
             retry_after=retry_after,
@@ -140,6 +151,18 @@ class _Parser:
             ),
         )
         return policy
+
+    def auto_timeout(self, value: object, path: Path, base: AutoTimeout) -> AutoTimeout:
+        raw = self.mapping(value, path, ("percentile", "multiplier", "min", "max"))
+        result = AutoTimeout(
+            percentile=self.field(raw, "percentile", path, _percentile, base.percentile),
+            multiplier=self.field(raw, "multiplier", path, _at_least(1.0), base.multiplier),
+            min=self.field(raw, "min", path, _positive_duration, base.min),
+            max=self.field(raw, "max", path, _positive_duration, base.max),
+        )
+        if result.max < result.min:
+            self.error((*path, "max"), f"must be at least min ({result.min}s)")
+        return result
 
     def backoff(self, value: object, path: Path, base: Backoff) -> Backoff:
         raw = self.mapping(value, path, ("strategy", "base", "max"))
@@ -156,19 +179,41 @@ class _Parser:
         raw = self.mapping(
             value,
             path,
-            ("failure_ratio", "min_sequences", "window", "open_for", "half_open_probes"),
+            (
+                "enabled",
+                "failure_ratio",
+                "min_sequences",
+                "window",
+                "open_for",
+                "max_open_for",
+                "half_open_probes",
+                "ramp",
+            ),
         )
-        return BreakerPolicy(
+        result = BreakerPolicy(
+            enabled=self.field(raw, "enabled", path, _bool, base.enabled),
             failure_ratio=self.field(raw, "failure_ratio", path, _ratio, base.failure_ratio),
             min_sequences=self.field(
                 raw, "min_sequences", path, _int_range(1, 1_000_000), base.min_sequences
             ),
             window=self.field(raw, "window", path, _positive_duration, base.window),
             open_for=self.field(raw, "open_for", path, _positive_duration, base.open_for),
+            max_open_for=self.field(
+                raw, "max_open_for", path, _positive_duration, base.max_open_for
+            ),
             half_open_probes=self.field(
                 raw, "half_open_probes", path, _int_range(1, 1000), base.half_open_probes
             ),
+            ramp=self.field(raw, "ramp", path, _duration, base.ramp),
         )
+        if result.max_open_for < result.open_for:
+            key = "max_open_for" if "max_open_for" in raw else "open_for"
+            self.error(
+                (*path, key),
+                f"max_open_for ({result.max_open_for:g}s) must be at least open_for "
+                f"({result.open_for:g}s)",
+            )
+        return result
 
     def budget(self, value: object, path: Path, base: BudgetPolicy) -> BudgetPolicy:
         raw = self.mapping(value, path, ("ratio", "min_per_second", "window"))
@@ -181,12 +226,47 @@ class _Parser:
         )
 
     def bulkhead(self, value: object, path: Path, base: BulkheadPolicy) -> BulkheadPolicy:
-        raw = self.mapping(value, path, ("max_concurrent", "queue_timeout"))
-        return BulkheadPolicy(
+        raw = self.mapping(
+            value, path, ("max_concurrent", "queue_timeout", "adaptive", "min_concurrent")
+        )
+        result = BulkheadPolicy(
             max_concurrent=self.field(
                 raw, "max_concurrent", path, _int_range(1, 1_000_000), base.max_concurrent
             ),
             queue_timeout=self.field(raw, "queue_timeout", path, _duration, base.queue_timeout),
+            adaptive=self.field(raw, "adaptive", path, _bool, base.adaptive),
+            min_concurrent=self.field(
+                raw, "min_concurrent", path, _int_range(1, 1_000_000), base.min_concurrent
+            ),
+        )
+        if "min_concurrent" in raw and result.min_concurrent > result.max_concurrent:
+            self.error(
+                (*path, "min_concurrent"),
+                f"must not exceed max_concurrent ({result.max_concurrent})",
+            )
+        # An inherited minimum above a smaller max_concurrent written here is clamped to it.
+        return replace(result, min_concurrent=min(result.min_concurrent, result.max_concurrent))
+
+    def throttle(self, value: object, path: Path, base: ThrottlePolicy) -> ThrottlePolicy:
+        raw = self.mapping(value, path, ("enabled", "k", "window", "min_requests"))
+        return ThrottlePolicy(
+            enabled=self.field(raw, "enabled", path, _bool, base.enabled),
+            k=self.field(raw, "k", path, _at_least(1.0), base.k),
+            window=self.field(raw, "window", path, _positive_duration, base.window),
+            min_requests=self.field(
+                raw, "min_requests", path, _int_range(0, 1_000_000), base.min_requests
+            ),
+        )
+
+    def hedge(self, value: object, path: Path, base: HedgePolicy) -> HedgePolicy:
+        raw = self.mapping(value, path, ("enabled", "ratio", "min_per_second", "window"))
+        return HedgePolicy(
+            enabled=self.field(raw, "enabled", path, _bool, base.enabled),
+            ratio=self.field(raw, "ratio", path, _non_negative_number, base.ratio),
+            min_per_second=self.field(
+                raw, "min_per_second", path, _non_negative_number, base.min_per_second
+            ),
+            window=self.field(raw, "window", path, _positive_duration, base.window),
         )
 
     def route_dlq(self, value: object, path: Path, base: RouteDlq) -> RouteDlq:
@@ -327,7 +407,7 @@ class _Parser:
         praw = self.mapping(
             top.get("upstream_pool"),
             ("upstream_pool",),
-            ("max_connections", "wait_timeout", "connect_timeout", "idle_timeout"),
+            ("max_connections", "wait_timeout", "connect_timeout", "idle_timeout", "dns_refresh"),
         )
         pd = UpstreamPool()
         pp: Path = ("upstream_pool",)
@@ -340,6 +420,7 @@ class _Parser:
                 praw, "connect_timeout", pp, _positive_duration, pd.connect_timeout
             ),
             idle_timeout=self.field(praw, "idle_timeout", pp, _positive_duration, pd.idle_timeout),
+            dns_refresh=self.field(praw, "dns_refresh", pp, _positive_duration, pd.dns_refresh),
         )
         # One process per sidecar, decided: several workers would each keep their own breaker,
         # budget, kill switch and DLQ writer, silently dividing every threshold. Scale with
@@ -367,9 +448,7 @@ class _Parser:
 
     def defaults(self, value: object) -> dict[str, Any]:
         path: Path = ("defaults",)
-        raw = self.mapping(
-            value, path, ("timeout", "retry", "breaker", "budget", "bulkhead", "dlq")
-        )
+        raw = self.mapping(value, path, ROUTE_SECTIONS)
         return self.route_sections(raw, path, _DEFAULT_SECTIONS)
 
     def route_sections(
@@ -385,6 +464,10 @@ class _Parser:
             out["budget"] = self.budget(raw["budget"], (*path, "budget"), base["budget"])
         if "bulkhead" in raw:
             out["bulkhead"] = self.bulkhead(raw["bulkhead"], (*path, "bulkhead"), base["bulkhead"])
+        if "throttle" in raw:
+            out["throttle"] = self.throttle(raw["throttle"], (*path, "throttle"), base["throttle"])
+        if "hedge" in raw:
+            out["hedge"] = self.hedge(raw["hedge"], (*path, "hedge"), base["hedge"])
         if "dlq" in raw:
             out["dlq"] = self.route_dlq(raw["dlq"], (*path, "dlq"), base["dlq"])
         return out
@@ -402,21 +485,7 @@ class _Parser:
         seen: dict[str, int] = {}
         for i, item in enumerate(value):
             path: Path = ("routes", i)
-            raw = self.mapping(
-                item,
-                path,
-                (
-                    "name",
-                    "match",
-                    "upstream",
-                    "timeout",
-                    "retry",
-                    "breaker",
-                    "budget",
-                    "bulkhead",
-                    "dlq",
-                ),
-            )
+            raw = self.mapping(item, path, ("name", "match", "upstream", *ROUTE_SECTIONS))
             if not isinstance(item, dict):
                 continue
             name = None
@@ -434,7 +503,7 @@ class _Parser:
                     (*path, "upstream"), "required: the upstream URL, e.g. http://127.0.0.1:8080"
                 )
             else:
-                upstream = self.field(raw, "upstream", path, _upstream, None)
+                upstream = self.field(raw, "upstream", path, _upstreams, None)
             match = self.match(raw.get("match"), (*path, "match"))
             sections = self.route_sections(raw, path, defaults)
             if name is None or upstream is None:
@@ -443,24 +512,31 @@ class _Parser:
                 Route(
                     name=name,
                     match=match,
-                    upstream=upstream,
+                    upstreams=upstream,
                     timeout=sections["timeout"],
                     retry=sections["retry"],
                     breaker=sections["breaker"],
                     budget=sections["budget"],
                     bulkhead=sections["bulkhead"],
                     dlq=sections["dlq"],
+                    throttle=sections["throttle"],
+                    hedge=sections["hedge"],
                 )
             )
         return routes
 
 
+# The route timeout matches nginx's proxy_read_timeout (60 s): a slow answer the upstream gives
+# directly must not become a 504 through the sidecar.
+DEFAULT_TIMEOUT = 60.0
 _DEFAULT_SECTIONS: dict[str, Any] = {
-    "timeout": 10.0,
+    "timeout": DEFAULT_TIMEOUT,
     "retry": RetryPolicy(),
     "breaker": BreakerPolicy(),
     "budget": BudgetPolicy(),
     "bulkhead": BulkheadPolicy(),
+    "throttle": ThrottlePolicy(),
+    "hedge": HedgePolicy(),
     "dlq": RouteDlq(),
 }
 
@@ -525,6 +601,33 @@ def _ratio(value: object) -> float:
 
 def _duration(value: object) -> float:
     return units.parse_duration(value)
+
+
+def _auto_or_duration(value: object) -> float | None:
+    """``auto`` (None: the adaptive per-try timeout) or a positive duration."""
+    if value == "auto":
+        return None
+    try:
+        return _positive_duration(value)
+    except units.UnitError as exc:
+        raise _Invalid(f"{exc} (or auto)") from None
+
+
+def _percentile(value: object) -> float:
+    f = _number(value)
+    if not 0 < f < 1:
+        raise _Invalid(f"must be between 0 and 1 (0.95 is the 95th percentile), got {value}")
+    return f
+
+
+def _at_least(lo: float) -> Callable[[object], float]:
+    def check(value: object) -> float:
+        f = _number(value)
+        if f < lo:
+            raise _Invalid(f"must be at least {lo:g}, got {value}")
+        return f
+
+    return check
 
 
 def _positive_duration(value: object) -> float:
@@ -622,6 +725,26 @@ def _upstream(value: object) -> Upstream:
     except ValueError:
         raise _Invalid(f"bad port in {value!r}") from None
     return Upstream(parts.hostname, port)
+
+
+def _upstreams(value: object) -> tuple[Upstream, ...]:
+    """One URL, or a list of URLs (the route's endpoints, tried in turn and in parallel)."""
+    if isinstance(value, list):
+        if not value:
+            raise _Invalid("expected at least one upstream URL")
+        if len(value) > MAX_UPSTREAMS:
+            raise _Invalid(f"at most {MAX_UPSTREAMS} upstream URLs, got {len(value)}")
+        out: list[Upstream] = []
+        for i, item in enumerate(value):
+            try:
+                u = _upstream(item)
+            except _Invalid as exc:
+                raise _Invalid(f"item {i}: {exc}") from None
+            if u in out:
+                raise _Invalid(f"item {i}: {u} is listed twice")
+            out.append(u)
+        return tuple(out)
+    return (_upstream(value),)
 
 
 def _only_one_worker(value: object) -> int:

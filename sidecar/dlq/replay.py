@@ -127,7 +127,7 @@ class Replayer:
                 fate, attempts = result.fate.value, result.attempts
                 if result.response is not None:
                     http_status = result.response.status
-                    if not await _drain(result.response, route.retry.per_try_timeout):
+                    if not await _drain(result.response, route.read_timeout):
                         seq.body_failed()
                 elif result.error is not None:
                     error = str(result.error)

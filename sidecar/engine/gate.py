@@ -1,10 +1,12 @@
-"""The RetryGate of one sequence: kill switch, budget and drain for one route."""
+"""The RetryGate of one sequence: kill switch, adaptive throttle, budgets and drain for one
+route."""
 
 from __future__ import annotations
 
+import random
 from typing import Protocol
 
-from sidecar.core import Clock
+from sidecar.core import Clock, Fate
 from sidecar.engine.routestate import RouteState
 from sidecar.lifecycle import Lifecycle
 
@@ -16,22 +18,45 @@ class Switches(Protocol):
 
 
 class SequenceGate:
-    __slots__ = ("_clock", "_kill", "_life", "_route", "_state")
+    __slots__ = ("_clock", "_kill", "_life", "_rng", "_route", "_state")
 
     def __init__(
-        self, route: str, state: RouteState, kill: Switches, life: Lifecycle, clock: Clock
+        self,
+        route: str,
+        state: RouteState,
+        kill: Switches,
+        life: Lifecycle,
+        clock: Clock,
+        rng: random.Random,
     ) -> None:
         self._route = route
         self._state = state
         self._kill = kill
         self._life = life
         self._clock = clock
+        self._rng = rng
 
     def killed(self) -> bool:
         return self._kill.covers(self._route, self._clock.monotonic())
 
-    def allow_retry(self) -> bool:
-        return self._state.budget.try_retry(self._clock.monotonic())
+    def allow_retry(self) -> Fate | None:
+        """The throttle first (a refusal there spends no budget), then the retry budget."""
+        now = self._clock.monotonic()
+        st = self._state
+        if not st.throttle.allow(now, self._rng):
+            return Fate.THROTTLED
+        if not st.budget.try_retry(now):
+            return Fate.BUDGET_EXHAUSTED
+        return None
+
+    def allow_hedge(self) -> str | None:
+        now = self._clock.monotonic()
+        st = self._state
+        if not st.throttle.allow(now, self._rng):
+            return "throttle"
+        if not st.hedge_budget.try_retry(now):
+            return "budget"
+        return None
 
     def draining(self) -> bool:
         return self._life.draining

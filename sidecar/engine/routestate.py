@@ -1,20 +1,46 @@
-"""Per-route runtime state (breaker, budget, bulkhead), kept by route NAME so that it survives
-a config reload; ``sync`` hands each one the new policy."""
+"""Per-route runtime state (breaker, budgets, throttle, concurrency limit, latency, endpoints,
+bulkhead), kept by route NAME so that it survives a config reload; ``sync`` hands each one the
+new policy."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from sidecar.config.model import Config, Route
+from sidecar.config.model import BudgetPolicy, Config, HedgePolicy, Route
 from sidecar.engine.bulkhead import Bulkhead
 from sidecar.retry.breaker import Breaker, State
 from sidecar.retry.budget import Budget
+from sidecar.retry.concurrency import AdaptiveLimit
+from sidecar.retry.endpoints import EndpointSet
+from sidecar.retry.latency import AttemptLatency
+from sidecar.retry.throttle import Throttle
 
 TransitionHook = Callable[[str, State, State], None]
+LATENCY_WINDOW = 10.0  # seconds of attempt latencies behind ``per_try_timeout: auto``
+
+
+def hedge_budget_policy(h: HedgePolicy) -> BudgetPolicy:
+    return BudgetPolicy(ratio=h.ratio, min_per_second=h.min_per_second, window=h.window)
+
+
+def configured_endpoints(route: Route) -> list[tuple[str, int, str]]:
+    """The route's endpoints as written (host names not resolved yet)."""
+    return [(u.host, u.port, u.authority) for u in route.upstreams]
 
 
 class RouteState:
-    __slots__ = ("breaker", "budget", "bulkhead", "name")
+    __slots__ = (
+        "breaker",
+        "budget",
+        "bulkhead",
+        "endpoints",
+        "hedge_budget",
+        "latency",
+        "limiter",
+        "name",
+        "throttle",
+        "upstreams",
+    )
 
     def __init__(self, route: Route, hook: TransitionHook | None) -> None:
         self.name = route.name
@@ -27,12 +53,25 @@ class RouteState:
 
         self.breaker = Breaker(route.breaker, on_transition)
         self.budget = Budget(route.budget)
+        self.hedge_budget = Budget(hedge_budget_policy(route.hedge))
+        self.throttle = Throttle(route.throttle)
+        self.limiter = AdaptiveLimit(route.bulkhead)
+        self.latency = AttemptLatency(LATENCY_WINDOW)
         self.bulkhead = Bulkhead(route.bulkhead)
+        self.upstreams = route.upstreams
+        self.endpoints = EndpointSet(configured_endpoints(route))
 
     def update(self, route: Route) -> None:
         self.breaker.update_policy(route.breaker)
         self.budget.update_policy(route.budget)
+        self.hedge_budget.update_policy(hedge_budget_policy(route.hedge))
+        self.throttle.update_policy(route.throttle)
+        self.limiter.update_policy(route.bulkhead)
         self.bulkhead.update_policy(route.bulkhead)
+        if route.upstreams != self.upstreams:
+            # Other endpoints: as written until the resolver has looked the names up.
+            self.upstreams = route.upstreams
+            self.endpoints.update(configured_endpoints(route))
 
 
 class RouteStates:

@@ -1,17 +1,25 @@
 """One exchange through a route's whole policy, as a scope that owns what it takes.
 
 ``async with Sequence(deps, name, exchange) as seq`` runs breaker admission, the bulkhead wait,
-the attempts (with budget, kill switch and drain asked between them) and leaves the final
-upstream response in ``seq.result`` for the body of the ``async with`` to relay. Whatever way the
-scope is left -- return, exception, cancellation because the client went away, a timeout -- its
-``__aexit__`` gives everything back, in this order:
+the attempts (with throttle, budgets, kill switch and drain asked between them, hedges racing
+slow attempts) and leaves the final upstream response in ``seq.result`` for the body of the
+``async with`` to relay. Whatever way the scope is left -- return, exception, cancellation
+because the client went away, a timeout -- everything is given back, in this order:
 
-1. the final upstream response (released if its body was read to the end, else discarded:
+1. every attempt still running (a hedge and its original race as tasks owned by an
+   ``AttemptSet`` inside the run: cancelled, their connections closed, their concurrency
+   tickets returned, before the run ends);
+2. the final upstream response (released if its body was read to the end, else discarded:
    the connection is then closed, never pooled);
-2. the bulkhead slot (an ``asyncio.Semaphore`` permit held by ``Bulkhead.slot``);
-3. the breaker admission, with exactly ONE verdict for the whole sequence: the upstream's
-   answer, or NEUTRAL when the upstream was never asked, the client left, or a local error cut
-   the sequence short (a half-open probe slot is then handed back, never leaked).
+3. the bulkhead slot (an ``asyncio.Semaphore`` permit held by ``Bulkhead.slot``);
+4. the breaker admission, with exactly ONE verdict for the whole sequence: the upstream's
+   answer, or NEUTRAL when the upstream was never asked, the client left, or a local limit
+   cut the sequence short (see ``classify.verdict``).
+
+Under a kill switch the sequence is a plain proxy exchange: one attempt, no breaker, no
+throttle, no adaptive concurrency limit, no hedge. A sequence that a trusted edge owns (an
+inner tier) skips the breaker too: the edge decides for its chain, and inner breakers each
+with their own recovery clock only stack up delays after an outage.
 
 Live client traffic (``sidecar.proxy``) and DLQ replays (``sidecar.dlq``) both use it.
 """
@@ -25,14 +33,16 @@ from typing import TYPE_CHECKING
 
 from sidecar.config.model import Route
 from sidecar.core import Fate, LocalOverload, NoTimeLeft, UpstreamError, Verdict
+from sidecar.engine.attempter import RouteAttempter
 from sidecar.engine.deps import EngineDeps
 from sidecar.engine.gate import SequenceGate
 from sidecar.engine.loop import SequenceResult, run_sequence
 from sidecar.proxy import forward
 from sidecar.retry.breaker import Admitted
-from sidecar.retry.classify import may_resend, verdict
+from sidecar.retry.classify import IDEMPOTENT_METHODS, may_resend, verdict
 from sidecar.retry.deadline import Deadline
 from sidecar.retry.decide import Constraints
+from sidecar.retry.endpoints import Endpoint
 from sidecar.upstream.client import Body, UpstreamResponse
 
 if TYPE_CHECKING:
@@ -61,6 +71,7 @@ class Sequence:
         "_deps",
         "_ex",
         "_exits",
+        "_killed",
         "_name",
         "_probe",
         "_state",
@@ -75,10 +86,11 @@ class Sequence:
         self._ex = ex
         self._state = deps.states.get(ex.route.name)
         self._exits = AsyncExitStack()
-        self._probe: bool | None = None  # None: not admitted (nothing to record)
+        self._probe: bool | None = None  # None: not admitted by the breaker (nothing to record)
         self._verdict: Verdict | None = None  # an override set while relaying the body
+        self._killed = False
         self.result: SequenceResult | None = None  # None when the breaker refused
-        self.refused_for = 0.0  # with a refusal: seconds until a probe is let through
+        self.refused_for = 0.0  # with a refusal: seconds until a sequence would be admitted
 
     @property
     def response(self) -> UpstreamResponse | None:
@@ -92,14 +104,18 @@ class Sequence:
         deps, ex = self._deps, self._ex
         clock = deps.clock
         now = clock.monotonic()
-        admission = self._state.breaker.admit(now)
-        if not isinstance(admission, Admitted):
-            self.refused_for = admission.retry_after
-            return self
-        self._probe = admission.probe
+        route = ex.route
+        self._killed = deps.kill.covers(route.name, now)
+        if not self._killed and ex.edge is None:
+            admission = self._state.breaker.admit(now)
+            if not isinstance(admission, Admitted):
+                self.refused_for = admission.retry_after
+                return self
+            self._probe = admission.probe
         try:
             self._state.budget.record_request(now)
-            wait = min(ex.route.bulkhead.queue_timeout, ex.deadline.remaining(now))
+            self._state.hedge_budget.record_request(now)
+            wait = min(route.bulkhead.queue_timeout, ex.deadline.remaining(now))
             try:
                 await self._exits.enter_async_context(self._state.bulkhead.slot(wait))
             except LocalOverload as exc:
@@ -132,7 +148,14 @@ class Sequence:
             return
         v = self._verdict
         if v is None:
-            v = verdict(self._ex.route.retry, result.response_status, result.error)
+            now = self._deps.clock.monotonic()
+            v = verdict(
+                self._ex.route.retry,
+                result.response_status,
+                result.error,
+                result.fate,
+                self._state.throttle.down(now),
+            )
         await self._close(v)
 
     async def _close(self, v: Verdict | None) -> None:
@@ -160,27 +183,28 @@ class Sequence:
         shared = forward.with_edge_tracestate(shared)
         head_base = forward.build_head(ex.method, ex.target, shared)
         head_only = ex.method == "HEAD"
-        host, port = route.upstream.host, route.upstream.port
         client = deps.client
         tracing = deps.tracing
         span = ex.span
         body, chunked, deadline, method = ex.body, ex.chunked, ex.deadline, ex.method
-        upstream_name = route.upstream.authority
 
         def time_left() -> float:
             return deadline.remaining(clock.monotonic())
 
-        async def send(attempt: int, timeout: float) -> UpstreamResponse:
+        async def send(
+            attempt: int, timeout: float, endpoint: Endpoint, hedge: bool
+        ) -> UpstreamResponse:
             remaining = deadline.remaining_ms(clock.monotonic())
             head = head_base + b"x-retry-attempt: %d\r\nx-request-timeout-ms: %d\r\n" % (
                 attempt,
                 remaining,
             )
+            host, port = endpoint.host, endpoint.port
             if span is None:
                 return await client.request(
                     host, port, head + b"\r\n", body, timeout, head_only, chunked, time_left
                 )
-            attempt_span = tracing.start_attempt(span, method, attempt, upstream_name)
+            attempt_span = tracing.start_attempt(span, method, attempt, endpoint.authority, hedge)
             head += b"traceparent: " + tracing.traceparent(attempt_span) + b"\r\n"
             try:
                 up = await client.request(
@@ -193,13 +217,31 @@ class Sequence:
             tracing.end_attempt(attempt_span, up.status, None)
             return up
 
-        gate = SequenceGate(route.name, self._state, deps.kill, deps.life, clock)
+        killed = self._killed
+        gate = SequenceGate(route.name, self._state, deps.kill, deps.life, clock, deps.rng)
         constraints = Constraints(
             may_resend=may_resend(route.retry, method, ex.idempotency_key),
             body_replayable=ex.replayable,
             edge_owned=ex.edge is not None,
-            killed=gate.killed(),
+            killed=killed,
         )
-        return await run_sequence(
-            route, send, deadline, constraints, clock, deps.rng, deps.events, gate
+        # Hedged: an idempotent method (never a keyed POST: two copies of it in flight at once
+        # are what an Idempotency-Key server refuses), a buffered body, nobody owning retries
+        # but this sidecar, and the adaptive per-try timeout.
+        hedgeable = (
+            route.hedge.enabled
+            and route.retry.per_try_timeout is None
+            and method in IDEMPOTENT_METHODS
+            and ex.replayable
+            and ex.edge is None
+            and not killed
         )
+        attempter = RouteAttempter(
+            route, self._state, send, clock, deps.events, hedgeable, adaptive=not killed
+        )
+        result = await run_sequence(
+            route, attempter, deadline, constraints, clock, deps.rng, deps.events, gate
+        )
+        if span is not None and result.hedges:
+            span.set_attribute("retry_sidecar.hedges", result.hedges)
+        return result

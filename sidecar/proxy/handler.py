@@ -439,7 +439,7 @@ class ProxyHandler:
                 request, route, start, resp, result.fate, result.attempts, None, span
             )
         resp = ProxyResponse(status=up.status, headers=_headers(up, result, captured))
-        idle = route.retry.per_try_timeout
+        idle = route.read_timeout
         try:
             await resp.prepare(request)
             if up.has_body:
@@ -472,6 +472,8 @@ def _headers(
     pairs = forward.response_headers(up.headers)
     pairs.append(("x-retry-attempts", str(result.attempts)))
     pairs.append(("x-retry-fate", result.fate.value))
+    if result.hedges:
+        pairs.append(("x-retry-hedges", str(result.hedges)))
     if captured is not None:
         pairs.append(("x-retry-dlq", captured.header))
         if captured.record_id is not None:

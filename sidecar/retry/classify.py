@@ -5,7 +5,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sidecar.config.model import RetryPolicy
-from sidecar.core import LocalOverload, OutcomeKind, UpstreamError, Verdict
+from sidecar.core import Fate, LocalOverload, OutcomeKind, UpstreamError, Verdict
+
+# ``x-retry-proxy-error`` codes with which a sidecar further down refused to ask its upstream:
+# that tier has judged its upstream already (breaker open, no room); retrying into the same
+# refusal helps nobody, and counting it again here would open every breaker up the chain, each
+# with its own recovery clock.
+REFUSED_BELOW = {
+    "breaker-open": Fate.BREAKER_OPEN,
+    "concurrency-limit": Fate.OVERLOADED,
+    "overloaded": Fate.OVERLOADED,
+    "pool-exhausted": Fate.OVERLOADED,
+}
+# Fates of a sequence cut short by a local limit, not by the upstream's answers: no evidence
+# that the upstream is down (a half-open probe that ends so is not judged).
+CUT_SHORT = frozenset(
+    {
+        Fate.BUDGET_EXHAUSTED,
+        Fate.THROTTLED,
+        Fate.KILL_SWITCH,
+        Fate.DRAINING,
+        Fate.OVERLOADED,
+        Fate.CLIENT_GONE,
+        Fate.BREAKER_OPEN,
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +40,7 @@ class Outcome:
     status: int = 0
     retry_after: str | None = None  # the raw Retry-After header of a response
     detail: str = ""
+    refused_below: Fate | None = None  # a sidecar further down refused (see REFUSED_BELOW)
 
     @property
     def label(self) -> str:
@@ -70,16 +95,40 @@ def sequence_failed(policy: RetryPolicy, final_status: int | None, errored: bool
     return final_status >= 500 or final_status in policy.retry_on.statuses
 
 
+def accepted(policy: RetryPolicy, outcome: Outcome) -> bool:
+    """Did the upstream accept this attempt (the adaptive throttle's "accepts")? Any answer
+    that is not a failure the policy would retry."""
+    return outcome.kind is OutcomeKind.RESPONSE and not (
+        outcome.refused_below is not None or is_retryable(policy, outcome)
+    )
+
+
 def verdict(
-    policy: RetryPolicy, final_status: int | None, error: UpstreamError | LocalOverload | None
+    policy: RetryPolicy,
+    final_status: int | None,
+    error: UpstreamError | LocalOverload | None,
+    fate: Fate | None = None,
+    down: bool = False,
 ) -> Verdict:
     """What a finished sequence tells its breaker (one verdict per sequence).
 
-    Neutral when the upstream was never asked (the sidecar had no room, or the deadline was
-    spent before a byte was written): that says nothing about its health, and a half-open
-    probe that ends so must not decide the breaker's state either way. A connect failure is
-    a failure: nothing was sent, but the upstream could not be reached.
+    Only a sequence that ran its policy to the end is evidence. Neutral when the upstream was
+    never asked (the sidecar had no room, or the deadline was spent before a byte was
+    written), when a local limit cut the sequence short (budget, throttle, kill switch, drain:
+    a retry that might have succeeded was not made, which says nothing about the upstream
+    being down), or when a sidecar further down refused it. A half-open probe that ends so
+    does not decide the breaker's state either way. A connect failure is a failure: nothing
+    was sent, but the upstream could not be reached.
+
+    ``down``: the route's upstream has accepted almost none of its recent attempts (see
+    ``throttle.DOWN_ACCEPT_RATIO``). A failed sequence whose retries the throttle or the
+    budget refused is then evidence after all -- in a full outage the throttle refuses nearly
+    every retry, and a breaker that ignored those sequences would never see the outage.
     """
+    if fate in CUT_SHORT:
+        if down and fate in (Fate.BUDGET_EXHAUSTED, Fate.THROTTLED):
+            return Verdict.FAILURE
+        return Verdict.NEUTRAL
     if isinstance(error, LocalOverload):
         return Verdict.NEUTRAL
     if (

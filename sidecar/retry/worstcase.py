@@ -47,6 +47,13 @@ def failing_outcomes(route: Route) -> list[Outcome]:
 NO_CONSTRAINTS = Constraints()
 
 
+def per_try(route: Route) -> float:
+    """The longest one attempt may take: a fixed per-try timeout, else (``auto``: an attempt
+    is raced, never abandoned) the route's deadline."""
+    p = route.retry.per_try_timeout
+    return route.timeout if p is None else min(p, route.timeout)
+
+
 def simulate(
     route: Route, outcome: Outcome, attempt_seconds: float, c: Constraints = NO_CONSTRAINTS
 ) -> Simulated:
@@ -60,7 +67,7 @@ def simulate(
     previous: float | None = None
     while True:
         attempt += 1
-        took = min(attempt_seconds, route.retry.per_try_timeout, deadline.remaining(now))
+        took = min(attempt_seconds, per_try(route), deadline.remaining(now))
         now += took
         wall += took
         d = decide(route.retry, outcome, attempt, previous, deadline, now, wall, rng, c)
@@ -82,7 +89,7 @@ def worst_case(route: Route) -> WorstCase:
     outcomes = failing_outcomes(route)
     fast = max((simulate(route, o, 0.0) for o in outcomes), key=lambda s: s.attempts)
     slow = max(
-        (simulate(route, o, route.retry.per_try_timeout) for o in outcomes),
+        (simulate(route, o, per_try(route)) for o in outcomes),
         key=lambda s: s.wall_clock,
     )
     return WorstCase(fast.attempts, slow.wall_clock, slow.fate)

@@ -38,6 +38,12 @@ class RetryScheduled:
     from_retry_after: bool
 
 
+@dataclass(slots=True)
+class HedgeEvent:
+    route: str
+    result: str  # sent | won | denied-limit | denied-budget | denied-throttle
+
+
 @dataclass(frozen=True, slots=True)
 class BreakerTransitioned:
     route: str
@@ -53,6 +59,8 @@ class EventSink(Protocol):
     def sequence_ended(self, event: SequenceEnded) -> None: ...
 
     def breaker_transitioned(self, event: BreakerTransitioned) -> None: ...
+
+    def hedged(self, event: HedgeEvent) -> None: ...
 
 
 class Fanout:
@@ -77,6 +85,10 @@ class Fanout:
         for s in self.sinks:
             s.breaker_transitioned(event)
 
+    def hedged(self, event: HedgeEvent) -> None:
+        for s in self.sinks:
+            s.hedged(event)
+
 
 class Recorder:
     """A sink that keeps every event (tests, the demo's summary)."""
@@ -86,6 +98,7 @@ class Recorder:
         self.retries: list[RetryScheduled] = []
         self.sequences: list[SequenceEnded] = []
         self.transitions: list[BreakerTransitioned] = []
+        self.hedges: list[HedgeEvent] = []
 
     def attempt_ended(self, event: AttemptEnded) -> None:
         self.attempts.append(event)
@@ -98,3 +111,6 @@ class Recorder:
 
     def breaker_transitioned(self, event: BreakerTransitioned) -> None:
         self.transitions.append(event)
+
+    def hedged(self, event: HedgeEvent) -> None:
+        self.hedges.append(event)

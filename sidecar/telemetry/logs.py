@@ -70,6 +70,9 @@ class RequestLog:
     def retry_scheduled(self, event: object) -> None:
         pass
 
+    def hedged(self, event: object) -> None:
+        pass
+
     def breaker_transitioned(self, event: object) -> None:
         pass
 

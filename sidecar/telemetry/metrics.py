@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from sidecar.telemetry.events import (
     AttemptEnded,
     BreakerTransitioned,
+    HedgeEvent,
     RetryScheduled,
     SequenceEnded,
 )
@@ -112,7 +113,7 @@ class Histogram:
 
 
 class Metrics:
-    """The metrics of DESIGN.md section 7, and an EventSink that keeps them current."""
+    """The sidecar's metrics (README "Metrics"), and an EventSink that keeps them current."""
 
     def __init__(self) -> None:
         self.requests = Counter("requests_total", "Client requests by route and fate.")
@@ -145,6 +146,30 @@ class Metrics:
         self.dlq_oldest = Gauge(
             "dlq_oldest_record_age_seconds", "Age of the oldest pending DLQ record."
         )
+        self.hedges = Counter(
+            "hedges_total",
+            "Hedged attempts by route and result (sent, won, denied-limit, denied-budget, "
+            "denied-throttle).",
+        )
+        # Storm control state, read from the route states at scrape (Sidecar._wire_gauges).
+        self.throttle_probability = Gauge(
+            "throttle_probability",
+            "Probability that the adaptive throttle refuses a retry or hedge now.",
+        )
+        self.concurrency_limit = Gauge(
+            "concurrency_limit", "The adaptive concurrency limit (upstream attempts in flight)."
+        )
+        self.concurrency_in_flight = Gauge("concurrency_in_flight", "Upstream attempts in flight.")
+        self.per_try_timeout = Gauge(
+            "per_try_timeout_seconds",
+            "The per-try timeout now in force (the adaptive one for per_try_timeout: auto).",
+        )
+        self.breaker_open_seconds = Gauge(
+            "breaker_open_seconds",
+            "How long the breaker stays open when it opens next (or now): open_for, doubled "
+            "on each reopen up to max_open_for.",
+        )
+        self.endpoints = Gauge("endpoints", "Upstream endpoints by route and state.")
         self.dlq_writes = Counter(
             "dlq_writes_total",
             "Failed writes offered to the DLQ, by route and result "
@@ -168,6 +193,13 @@ class Metrics:
             self.dlq_records,
             self.dlq_oldest,
             self.dlq_writes,
+            self.hedges,
+            self.throttle_probability,
+            self.concurrency_limit,
+            self.concurrency_in_flight,
+            self.per_try_timeout,
+            self.breaker_open_seconds,
+            self.endpoints,
         ]
 
     def render(self) -> str:
@@ -190,6 +222,9 @@ class Metrics:
         self.request_duration.observe((("route", e.route),), e.duration)
         if e.fate == "budget-exhausted":
             self.budget_exhausted.inc((("route", e.route),))
+
+    def hedged(self, e: HedgeEvent) -> None:
+        self.hedges.inc((("route", e.route), ("result", e.result)))
 
     def breaker_transitioned(self, e: BreakerTransitioned) -> None:
         self.breaker_transitions.inc((("route", e.route), ("to", e.to)))

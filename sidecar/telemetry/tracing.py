@@ -92,7 +92,9 @@ class Tracing:
             },
         )
 
-    def start_attempt(self, server: Span, method: str, attempt: int, upstream: str) -> Span:
+    def start_attempt(
+        self, server: Span, method: str, attempt: int, upstream: str, hedge: bool = False
+    ) -> Span:
         from opentelemetry import trace
         from opentelemetry.trace import SpanKind
 
@@ -104,6 +106,8 @@ class Tracing:
         }
         if attempt > 1:
             attrs["http.request.resend_count"] = attempt - 1
+        if hedge:
+            attrs["retry_sidecar.hedge"] = 1  # this attempt races a slower one still running
         return self._tracer.start_span(
             method,
             context=trace.set_span_in_context(server),

@@ -1,0 +1,151 @@
+"""One upstream attempt of one route, with everything it holds and feeds back.
+
+``RouteAttempter.attempt`` takes a ticket from the route's adaptive concurrency limit (given
+back in a ``finally``: return, error or cancellation), sends the request to the endpoint the
+driver picked, and turns the result into an ``Attempted``. On the way it feeds the route's
+state: the throttle (accepted or not), the latency estimate behind ``per_try_timeout: auto``,
+the concurrency limit (latency to the response head) and the endpoint's passive health. A
+hedge that lost and was cancelled feeds nothing but its event (outcome ``cancelled``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+
+from sidecar.config.model import Route
+from sidecar.core import (
+    Clock,
+    ConcurrencyLimited,
+    LocalOverload,
+    NoTimeLeft,
+    OutcomeKind,
+    UpstreamError,
+)
+from sidecar.engine.attempts import Attempted
+from sidecar.engine.loop import outcome_of
+from sidecar.engine.routestate import RouteState
+from sidecar.retry.classify import REFUSED_BELOW, Outcome, accepted
+from sidecar.retry.concurrency import Ticket
+from sidecar.retry.endpoints import Endpoint
+from sidecar.telemetry.events import AttemptEnded, EventSink
+from sidecar.upstream.client import UpstreamResponse
+
+# send(attempt number, timeout, endpoint, hedge) -> response; raises UpstreamError or
+# LocalOverload.
+Send = Callable[[int, float, Endpoint, bool], Awaitable[UpstreamResponse]]
+_LOCAL = Outcome(OutcomeKind.CONNECT_FAILURE, detail="refused in the sidecar")  # never judged
+_LINK_FAILURES = (OutcomeKind.CONNECT_FAILURE, OutcomeKind.RESET, OutcomeKind.PER_TRY_TIMEOUT)
+
+
+class RouteAttempter:
+    __slots__ = ("_clock", "_events", "_hedgeable", "_limit", "_route", "_send", "_state")
+
+    def __init__(
+        self,
+        route: Route,
+        state: RouteState,
+        send: Send,
+        clock: Clock,
+        events: EventSink,
+        hedgeable: bool,
+        adaptive: bool,
+    ) -> None:
+        self._route = route
+        self._state = state
+        self._send = send
+        self._clock = clock
+        self._events = events
+        self._hedgeable = hedgeable
+        self._limit = adaptive and route.bulkhead.adaptive
+
+    def hedge_after(self) -> float | None:
+        if not self._hedgeable:
+            return None
+        a = self._route.retry.auto_timeout
+        return self._state.latency.timeout(
+            self._clock.monotonic(), a.percentile, a.multiplier, a.min, a.max
+        )
+
+    def has_room(self) -> bool:
+        lim = self._state.limiter
+        return not self._limit or lim.in_flight < int(lim.limit)
+
+    def pick(self, avoid: Sequence[Endpoint]) -> Endpoint:
+        return self._state.endpoints.pick(self._clock.monotonic(), avoid)
+
+    async def attempt(
+        self, number: int, hedge: bool, endpoint: Endpoint, timeout: float
+    ) -> Attempted:
+        clock = self._clock
+        st = self._state
+        name = self._route.name
+        start = clock.monotonic()
+        ticket: Ticket | None = None
+        if self._limit:
+            ticket = st.limiter.try_acquire(start)
+            if ticket is None:
+                err = ConcurrencyLimited(
+                    f"the adaptive concurrency limit of route {name} "
+                    f"({int(st.limiter.limit)}) is reached"
+                )
+                self._events.attempt_ended(AttemptEnded(name, number, err.code, 0.0, str(err)))
+                return Attempted(number, endpoint, hedge, start, start, _LOCAL, None, err)
+        latency: float | None = None
+        finished = False
+        try:
+            try:
+                response = await self._send(number, timeout, endpoint, hedge)
+            except UpstreamError as exc:
+                end = clock.monotonic()
+                outcome = Outcome(exc.kind, detail=str(exc))
+                if exc.kind is OutcomeKind.PER_TRY_TIMEOUT and not isinstance(exc, NoTimeLeft):
+                    latency = end - start  # at least this long: a timeout is a slow sample
+                self._settle(end, endpoint, outcome, exc, None)
+                finished = True
+                self._events.attempt_ended(
+                    AttemptEnded(name, number, outcome.label, end - start, str(exc))
+                )
+                return Attempted(number, endpoint, hedge, start, end, outcome, None, exc)
+            except LocalOverload as exc:  # the connection pool stayed full
+                end = clock.monotonic()
+                finished = True
+                self._events.attempt_ended(AttemptEnded(name, number, exc.code, 0.0, str(exc)))
+                return Attempted(number, endpoint, hedge, start, end, _LOCAL, None, exc)
+            end = clock.monotonic()
+            refused = None
+            if response.status == 503:
+                code = response.header(b"x-retry-proxy-error")
+                if code is not None:
+                    refused = REFUSED_BELOW.get(code.decode("latin-1").strip())
+            outcome = outcome_of(response, refused)
+            latency = end - start
+            if refused is None:
+                st.latency.observe(end, latency)
+            self._settle(end, endpoint, outcome, None, refused)
+            finished = True
+            self._events.attempt_ended(AttemptEnded(name, number, outcome.label, latency, None))
+            return Attempted(number, endpoint, hedge, start, end, outcome, response, None)
+        finally:
+            if ticket is not None:
+                st.limiter.release(clock.monotonic(), ticket, latency)
+            if not finished:
+                # Cancelled: a hedge that lost, the deadline, or the client went away.
+                self._events.attempt_ended(
+                    AttemptEnded(name, number, "cancelled", clock.monotonic() - start, None)
+                )
+
+    def _settle(
+        self,
+        now: float,
+        endpoint: Endpoint,
+        outcome: Outcome,
+        error: UpstreamError | None,
+        refused: object,
+    ) -> None:
+        st = self._state
+        if refused is None and not isinstance(error, NoTimeLeft):
+            st.throttle.record(now, accepted(self._route.retry, outcome))
+        link_failed = (
+            error is not None and error.kind in _LINK_FAILURES and not isinstance(error, NoTimeLeft)
+        )
+        st.endpoints.report(now, endpoint, link_failed)

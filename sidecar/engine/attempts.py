@@ -1,0 +1,120 @@
+"""The attempts of one sequence that may run at the same time (a hedge races its original).
+
+``async with AttemptSet() as attempts`` owns every attempt task it starts. ``next(timeout)``
+hands back finished attempts one at a time, in the order they finished. Whatever way the scope
+is left -- a winner returned, an exception, the client going away (cancellation), a second
+cancellation while cleaning up -- every attempt still running is cancelled (the upstream client
+then aborts its connection: a cancelled attempt's connection is closed, never pooled), and the
+response of any attempt that finished but was not handed out is discarded. The discard is a
+done-callback on each task, so it happens even if the cleanup itself is interrupted.
+
+An attempt runs ``attempt_fn()``, which must turn every expected failure into a value (an
+``Attempted`` with ``error`` set): an exception escaping it is a bug or a local error, and is
+raised from ``next``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from sidecar.core import LocalOverload, UpstreamError
+from sidecar.retry.classify import Outcome
+from sidecar.retry.endpoints import Endpoint
+
+if TYPE_CHECKING:
+    from sidecar.upstream.client import UpstreamResponse
+
+
+@dataclass(slots=True)
+class Attempted:
+    """One finished attempt."""
+
+    number: int  # 1-based, in the order attempts were started
+    endpoint: Endpoint
+    hedge: bool
+    started: float
+    ended: float
+    outcome: Outcome
+    response: UpstreamResponse | None = None
+    error: UpstreamError | LocalOverload | None = None
+
+    def discard(self) -> None:
+        if self.response is not None:
+            self.response.discard()
+
+
+AttemptFn = Callable[[], Awaitable[Attempted]]
+
+
+class AttemptSet:
+    __slots__ = ("_closed", "_done", "_running")
+
+    def __init__(self) -> None:
+        self._running: set[asyncio.Task[Attempted]] = set()
+        self._done: list[asyncio.Task[Attempted]] = []
+        self._closed = False
+
+    @property
+    def active(self) -> int:
+        """Attempts started and not handed back yet."""
+        return len(self._running) + len(self._done)
+
+    def start(self, fn: AttemptFn, name: str) -> None:
+        if self._closed:
+            raise RuntimeError("the attempt set is closed")
+        task = asyncio.ensure_future(fn())
+        task.set_name(name)
+        task.add_done_callback(self._on_done)
+        self._running.add(task)
+
+    def _on_done(self, task: asyncio.Task[Attempted]) -> None:
+        """Once the scope is closed, a finished attempt nobody took gives its connection back
+        (closed unless its body had already ended). While open, ``next`` hands it out."""
+        if not self._closed or task.cancelled():
+            return
+        if task.exception() is None:  # also marks an exception as retrieved
+            task.result().discard()
+
+    async def next(self, timeout: float | None) -> Attempted | None:
+        """The next finished attempt, or None when ``timeout`` seconds pass first (or nothing
+        is running)."""
+        if not self._done:
+            if not self._running:
+                return None
+            done, _ = await asyncio.wait(
+                self._running, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                return None
+            self._running -= done
+            self._done.extend(done)
+        task = self._done.pop(0)
+        return task.result()  # raises what escaped the attempt (a bug or a local error)
+
+    async def __aenter__(self) -> AttemptSet:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._closed = True
+        left = [*self._running, *self._done]
+        self._running.clear()
+        self._done.clear()
+        for task in left:
+            if task.done():
+                self._on_done(task)  # finished, never handed out: discard it now
+            else:
+                task.cancel()  # if it finishes anyway, its callback discards it
+        pending = [t for t in left if not t.done()]
+        if pending:
+            # Wait for the cancelled ones to unwind (connections closed, tickets given back)
+            # so that nothing of this sequence outlives its scope.
+            await asyncio.wait(pending)
