@@ -24,7 +24,7 @@ def test_example_config_is_valid_and_inherits_defaults():
     orders = c.route("orders")
     assert orders is not None
     assert orders.retry.attempts == 4  # overridden
-    assert orders.retry.per_try_timeout == 2.0  # inherited
+    assert orders.retry.per_try_timeout is None  # inherited: auto
     assert orders.dlq.enabled and orders.dlq.max_replays == 5
     assert orders.match.methods == frozenset({"GET", "POST"})
     assert len(c.sha256) == 64

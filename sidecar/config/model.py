@@ -72,9 +72,11 @@ class RetryPolicy:
 @dataclass(frozen=True, slots=True)
 class BreakerPolicy:
     enabled: bool = True
-    failure_ratio: float = 0.5
+    # "Down", not "degraded": a 60% partial failure is the throttle's business, and a breaker
+    # that opens on it turns a 60% failure into a 100% one.
+    failure_ratio: float = 0.95
     min_sequences: int = 20
-    window: float = 5.0
+    window: float = 10.0
     open_for: float = 1.0  # the first time it opens; doubled on each reopen up to max_open_for
     max_open_for: float = 30.0
     half_open_probes: int = 3  # ramp sequences judged before the half-open state may decide
@@ -83,7 +85,7 @@ class BreakerPolicy:
 
 @dataclass(frozen=True, slots=True)
 class BudgetPolicy:
-    ratio: float = 0.2
+    ratio: float = 0.5
     min_per_second: float = 10.0
     window: float = 10.0
 
@@ -106,8 +108,8 @@ class ThrottlePolicy:
 
     enabled: bool = True
     k: float = 2.0
-    window: float = 2.0
-    min_requests: int = 20
+    window: float = 1.0  # short: an outage is seen within half a second, not a minute
+    min_requests: int = 10
 
 
 @dataclass(frozen=True, slots=True)

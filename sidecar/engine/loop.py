@@ -235,15 +235,24 @@ class _Driver:
         last: Attempted | None = None  # a failure kept as the answer if nothing better comes
         async with AttemptSet() as running:
             self._start(running, hedge=False)
-            hedge_at = self.clock.monotonic() + after
+            started = self.clock.monotonic()
+            hedge_at = started + after
+            refused = False  # a hedge of the newest attempt was refused (reported once)
             while True:
                 wait: float | None = None
                 if self.number < self.policy.attempts:
                     wait = max(0.0, hedge_at - self.clock.monotonic())
                 a = await running.next(wait)
                 if a is None:
-                    self._maybe_hedge(running)
-                    hedge_at = self.clock.monotonic() + after
+                    now = self.clock.monotonic()
+                    if self._maybe_hedge(running, report=not refused):
+                        hedge_at = now + after
+                        refused = False
+                    else:
+                        # Refused: ask again later, backing off (the wait so far doubles),
+                        # not every ``after`` for as long as the attempt runs.
+                        hedge_at = now + max(after, now - started)
+                        refused = True
                     continue
                 if isinstance(a.error, LocalOverload):
                     if running.active:
@@ -267,7 +276,9 @@ class _Driver:
                 if not await self.backoff(a, d):
                     return self.spent()
                 self._start(running, hedge=False)
-                hedge_at = self.clock.monotonic() + after
+                started = self.clock.monotonic()
+                hedge_at = started + after
+                refused = False
 
     def _failed(self, a: Attempted) -> bool:
         return (
@@ -290,21 +301,26 @@ class _Driver:
 
         running.start(run, f"attempt-{self.route.name}-{number}")
 
-    def _maybe_hedge(self, running: AttemptSet) -> None:
+    def _maybe_hedge(self, running: AttemptSet, report: bool) -> bool:
+        """Start a hedge if it may go; False when it was refused (an event the first time
+        for this attempt: it is asked again later, with backoff)."""
         if self.number >= self.policy.attempts:
-            return
+            return True
         if self.deadline.remaining(self.clock.monotonic()) <= 0:
-            return
+            return True
         if not self.attempter.has_room():
-            self.events.hedged(HedgeEvent(self.route.name, "denied-limit"))
-            return
+            if report:
+                self.events.hedged(HedgeEvent(self.route.name, "denied-limit"))
+            return False
         refused = self.gate.allow_hedge()
         if refused is not None:
-            self.events.hedged(HedgeEvent(self.route.name, f"denied-{refused}"))
-            return
+            if report:
+                self.events.hedged(HedgeEvent(self.route.name, f"denied-{refused}"))
+            return False
         self.hedges += 1
         self.events.hedged(HedgeEvent(self.route.name, "sent"))
         self._start(running, hedge=True)
+        return True
 
 
 async def run_sequence(

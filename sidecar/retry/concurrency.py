@@ -4,13 +4,16 @@ Upstream attempts in flight are held below a limit that follows latency, in the 
 Envoy's adaptive-concurrency filter and Netflix's Gradient2Limit. Every ``INTERVAL`` (once at
 least ``MIN_SAMPLES`` attempts have ended) the limit moves by the gradient
 
-    gradient  = clamp(min_rtt * (1 + BUFFER) / sample_rtt, 0.5, 2.0)
+    gradient  = clamp((min_rtt * TOLERANCE + SLACK) / sample_rtt, 0.5, 2.0)
     new_limit = limit * gradient + sqrt(limit * gradient)      (the square root is headroom)
 
 where ``sample_rtt`` is the median attempt latency of the interval and ``min_rtt`` the latency
-without queueing. When latency is near ``min_rtt`` the limit grows; when requests queue in the
-upstream, latency rises with concurrency and the limit falls until the queue is gone. An
-attempt over the limit is refused at once (no waiting): the upstream was not asked.
+without queueing. ``TOLERANCE`` (Gradient2's rttTolerance; Envoy's 25% buffer) and an absolute
+``SLACK`` keep scheduling noise from counting as queueing: a 1 ms upstream answering in 2 ms on
+a busy host is not overloaded, and a pure ratio would halve the limit for it. When latency is
+near ``min_rtt`` the limit grows; when requests queue in the upstream, latency rises with
+concurrency and the limit falls until the queue is gone. An attempt over the limit is refused
+at once (no waiting): the upstream was not asked.
 
 Three choices keep it from hurting traffic that is not overload:
 
@@ -39,7 +42,8 @@ from sidecar.retry.latency import quantile
 
 INTERVAL = 0.1
 MIN_SAMPLES = 10
-BUFFER = 0.25
+TOLERANCE = 1.5
+SLACK = 0.005
 MIN_RTT_WINDOW = 10.0
 MIN_RTT_SLICES = 5
 PROBE_SAMPLES = 20
@@ -180,7 +184,7 @@ class AdaptiveLimit:
         min_rtt = self._min_rtt.value(now)
         if min_rtt is None or peak < self.limit / 2:
             return  # no baseline yet, or app limited: latency says nothing about the limit
-        gradient = min(2.0, max(0.5, min_rtt * (1.0 + BUFFER) / max(sample, 1e-6)))
+        gradient = min(2.0, max(0.5, (min_rtt * TOLERANCE + SLACK) / max(sample, 1e-6)))
         new = self.limit * gradient
         new += math.sqrt(new)
         self.limit = min(

@@ -8,7 +8,8 @@ with probability
     max(0, (requests - k * accepts) / (requests + 1))
 
 Healthy, nothing is refused; as the upstream's accept ratio falls below 1/k, a growing share of
-retries and hedges is refused; when it accepts nothing, practically every one is. Envoy's
+retries and hedges is refused; when it accepts (almost) nothing -- ``DOWN_ACCEPT_RATIO`` -- every
+one is: the formula's "+1" exists to keep probing, which first attempts do here anyway. Envoy's
 admission-control filter computes the same thing.
 
 Why only the *extra* attempts, never a client's first one: with a failure that does not depend
@@ -58,8 +59,13 @@ class Throttle:
     def probability(self, now: float) -> float:
         """The probability that an extra attempt is refused now."""
         requests, accepts = self._window.totals(now)
-        if requests < self.policy.min_requests:
+        if requests < max(1, self.policy.min_requests):
             return 0.0
+        if accepts <= DOWN_ACCEPT_RATIO * requests:
+            # Down: the formula's "+1" keeps a trickle going so that a client notices the
+            # recovery, but first attempts (never throttled) do that here; a retry into an
+            # upstream that accepts nothing only adds load.
+            return 1.0
         return max(0.0, (requests - self.policy.k * accepts) / (requests + 1))
 
     def allow(self, now: float, rng: Random01) -> bool:
@@ -67,7 +73,7 @@ class Throttle:
         if not self.policy.enabled:
             return True
         p = self.probability(now)
-        if p > 0.0 and rng.random() < p:
+        if p >= 1.0 or (p > 0.0 and rng.random() < p):
             self.refused += 1
             return False
         return True
