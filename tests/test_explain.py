@@ -159,7 +159,7 @@ async def test_worst_case_with_retry_after_matches_the_driver():
 
 def test_load_multipliers():
     route = route_of("{attempts: 3}")
-    assert budget_multiplier(route, 3, 100.0) == pytest.approx(1.3)  # 0.2 + 10/100
+    assert budget_multiplier(route, 3, 100.0) == pytest.approx(1.6)  # 0.5 + 10/100
     assert budget_multiplier(route, 3, 1.0) == 3.0  # capped by attempts
     assert stacked(3, 3, edge_only=False) == 27
     assert stacked(3, 3, edge_only=True) == 3

@@ -31,7 +31,7 @@ def pools_idle(sc) -> bool:
     return all(p.total == p.idle and p.waiting == 0 for p in sc.sidecar.client.stats().values())
 
 
-def attempt_tasks() -> list[asyncio.Task]:
+def attempt_tasks() -> list[asyncio.Task[object]]:
     return [t for t in asyncio.all_tasks() if t.get_name().startswith("attempt-")]
 
 

@@ -126,7 +126,9 @@ async def test_steady_60_percent_503_is_never_below_direct(stack: Stack):
     got = sum(ok.values())
     assert got >= direct, (got, direct)
     assert got >= 1.3 * direct  # the retries do help: a graded answer, not all-or-nothing
-    assert up.calls <= 1.6 * len(ids)  # budget 0.5 + floor, throttle at 60% failing
+    # ...and cost fewer upstream calls than three static tries (nginx's) would.
+    static = sum(next((a for a in (1, 2, 3) if unit(SEED, i, a) >= 0.6), 3) for i in ids)
+    assert up.calls < static, (up.calls, static)
 
 
 async def test_three_tier_full_outage_costs_at_most_1_1_calls_per_request(stack: Stack):

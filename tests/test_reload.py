@@ -33,7 +33,9 @@ async def eventually_attempts(client, url: str, want: int) -> float:
 def policy(up_url: str, attempts: int) -> str:
     # The breaker stays out of the way: these tests poll a failing upstream many times.
     return routes_yaml(
-        up_url, f"    retry: {{attempts: {attempts}}}\n    breaker: {{min_sequences: 100000}}"
+        up_url,
+        f"    retry: {{attempts: {attempts}}}\n    breaker: {{min_sequences: 100000}}\n"
+        "    throttle: {enabled: false}",
     )
 
 

@@ -14,7 +14,9 @@ from tests.conftest import hang, reply, routes_yaml
 
 async def test_breaker_records_one_event_per_sequence(upstream_factory, sidecar_factory, client):
     up = await upstream_factory(reply(503))
-    sc = await sidecar_factory(routes_yaml(up.url, "    breaker: {min_sequences: 1000}"))
+    sc = await sidecar_factory(
+        routes_yaml(up.url, "    breaker: {min_sequences: 1000}\n    throttle: {enabled: false}")
+    )
     for _ in range(5):
         async with client.get(sc.url + "/x") as resp:
             assert resp.headers["x-retry-attempts"] == "3"
@@ -196,7 +198,13 @@ async def test_full_outage_costs_attempts_not_attempts_cubed(
     upstream_factory, sidecar_factory, client
 ):
     bottom = await upstream_factory(reply(503))
-    edge, _, tier3, apps = await three_tiers(upstream_factory, sidecar_factory, bottom, naive=False)
+    edge, _, tier3, apps = await three_tiers(
+        upstream_factory,
+        sidecar_factory,
+        bottom,
+        naive=False,
+        edge_route="    throttle: {enabled: false}",
+    )
     try:
         for _ in range(4):
             async with client.get(edge.url + "/x") as resp:
