@@ -247,9 +247,7 @@ class Sidecar:
         self._proxy_runner = runner
         self.proxy_port = int(runner.addresses[0][1])
 
-        page_gets, page_forms = page_routes(
-            PageDeps(self.status, token, lambda: self.replayer)
-        )
+        page_gets, page_forms = page_routes(PageDeps(self.status, token, lambda: self.replayer))
         admin_app = build_admin_app(
             AdminDeps(
                 store=self.store,

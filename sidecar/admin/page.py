@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from sidecar.admin import render
+from sidecar.admin.fmt import when
 from sidecar.admin.formauth import FormRefused, Nonces, check_origin, check_token
 from sidecar.admin.killswitch import BadRequest, audit_lift, audit_set, check_set
 from sidecar.admin.render import REFRESH_CHOICES, Notice, View
@@ -143,7 +144,7 @@ def page_routes(deps: PageDeps) -> tuple[list[ExtraRoute], list[FormRoute]]:
         )
         audit_set(sw, ttl, "status-page")
         nid = deps.notice(
-            True, f"Retries are off for {scope} until {render.when(sw.expires_at)}: {reason}"
+            True, f"Retries are off for {scope} until {when(sw.expires_at)}: {reason}"
         )
         raise web.HTTPSeeOther(f"/?done={nid}")
 
