@@ -7,6 +7,7 @@ import asyncio
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -24,13 +25,14 @@ def admin(sc) -> str:
     return f"http://127.0.0.1:{sc.sidecar.admin_port}"
 
 
-async def status(client, sc, window: str = "1m") -> dict:
+async def status(client, sc, window: str = "1m") -> dict[str, Any]:
     async with client.get(admin(sc) + "/status", params={"window": window}) as resp:
         assert resp.status == 200
-        return await resp.json()
+        body: dict[str, Any] = await resp.json()
+        return body
 
 
-def route(st: dict, name: str = "main") -> dict:
+def route(st: dict[str, Any], name: str = "main") -> dict[str, Any]:
     return next(r for r in st["routes"] if r["name"] == name)
 
 
@@ -336,7 +338,9 @@ async def test_forms_need_the_token_in_the_body_and_a_fresh_nonce(
     base = admin(sc)
     fields = {"scope": "route:main", "ttl": "10m", "reason": "INC-8 via the page"}
 
-    async def post(extra: dict, headers: dict | None = None) -> tuple[int, str, str | None]:
+    async def post(
+        extra: dict[str, str], headers: dict[str, str] | None = None
+    ) -> tuple[int, str, str | None]:
         data = {**fields, "nonce": await form(client, base + "/ui/killswitch"), **extra}
         async with client.post(
             base + "/ui/killswitch", data=data, headers=headers, allow_redirects=False
