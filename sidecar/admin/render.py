@@ -224,18 +224,18 @@ def _dlq_cell(r: RouteStatus) -> str:
     return out
 
 
-def _actions(r: RouteStatus, view: View) -> str:
+def _actions(r: RouteStatus) -> str:
     links = []
     scope = f"route:{r.name}"
     if any(s.scope == scope and s.source == "admin" for s in r.switches):
         links.append(f'<a href="/ui/killswitch/lift?{urlencode({"scope": scope})}">lift switch</a>')
-    else:
+    elif not r.switches:
         links.append(
             f'<a href="/ui/killswitch?{urlencode({"scope": scope})}">switch off retries</a>'
         )
     if r.dlq_parked:
         links.append(f'<a href="/ui/dlq/replay?{urlencode({"route": r.name})}">replay parked</a>')
-    return "<br>".join(links)
+    return "<br>".join(links) or '<span class="mute">—</span>'
 
 
 def _routes_table(st: Status, view: View) -> str:
@@ -256,7 +256,7 @@ def _routes_table(st: Status, view: View) -> str:
             f'<td class="num">{r.in_flight}<br><small>of {r.max_concurrent}</small></td>'
             f"<td>{_switch_cell(r)}</td>"
             f"<td>{_dlq_cell(r)}</td>"
-            f"<td>{_actions(r, view)}</td></tr>"
+            f"<td>{_actions(r)}</td></tr>"
         )
     return (
         '<h2>Routes</h2><table id="routes"><thead><tr>'
