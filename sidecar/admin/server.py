@@ -1,4 +1,4 @@
-"""The admin API (DESIGN.md section 5) on its own listener, loopback by default.
+"""The admin API on its own listener, loopback by default (docs/architecture.md).
 
 JSON in and out; errors are ``{"error": "..."}`` with a 4xx. With a token configured, every
 non-GET call (and reading a DLQ record) needs ``Authorization: Bearer <token>``.

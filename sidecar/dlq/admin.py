@@ -1,4 +1,4 @@
-"""The DLQ's admin endpoints (DESIGN.md section 5)."""
+"""The DLQ's admin endpoints: list, show, replay, purge (README.md "Dead-letter queue")."""
 
 from __future__ import annotations
 
