@@ -85,13 +85,14 @@ class GuardedRequestHandler(RequestHandler):
         self._head_timer = None
         if self.in_request or self.transport is None:
             return
+        transport = self.transport  # force_close() may drop self.transport
         self._guard.count("header-timeout")
         self._guard.warn("request head not complete within the header timeout; closing")
-        self.transport.write(
+        transport.write(
             _error_bytes(408, "Request Timeout", "the request head took too long to arrive")
         )
         self.force_close()
-        self.transport.close()
+        transport.close()
 
     def _cancel_head_timer(self) -> None:
         if self._head_timer is not None:
