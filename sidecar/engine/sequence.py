@@ -27,8 +27,8 @@ from sidecar.config.model import Route
 from sidecar.core import Fate, LocalOverload, NoTimeLeft, UpstreamError, Verdict
 from sidecar.engine.deps import EngineDeps
 from sidecar.engine.gate import SequenceGate
+from sidecar.engine.head import build_head, with_edge_tracestate
 from sidecar.engine.loop import SequenceResult, run_sequence
-from sidecar.proxy import forward
 from sidecar.retry.breaker import Admitted
 from sidecar.retry.classify import may_resend, verdict
 from sidecar.retry.deadline import Deadline
@@ -157,8 +157,8 @@ class Sequence:
         # A trusted incoming marker is passed on unchanged; otherwise this sidecar is the edge.
         edge_value = ex.edge if ex.edge is not None and ex.edge != b"tracestate" else self._name
         shared.append((b"x-retry-edge", edge_value))
-        shared = forward.with_edge_tracestate(shared)
-        head_base = forward.build_head(ex.method, ex.target, shared)
+        shared = with_edge_tracestate(shared)
+        head_base = build_head(ex.method, ex.target, shared)
         head_only = ex.method == "HEAD"
         host, port = route.upstream.host, route.upstream.port
         client = deps.client
