@@ -156,9 +156,9 @@ async def _client_op(
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 3)
             w.close()
             fields = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:] if b": " in line)
-            rid = fields.get(b"x-retry-dlq-id")
-            if rid is not None and fields.get(b"x-retry-dlq") == b"stored":
-                told.records[rid.decode()] = body
+            raw_id = fields.get(b"x-retry-dlq-id")
+            if raw_id is not None and fields.get(b"x-retry-dlq") == b"stored":
+                told.records[raw_id.decode()] = body
         else:  # a reader that stops reading a large response
             sock = socket.socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
