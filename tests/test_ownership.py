@@ -443,3 +443,25 @@ async def test_timed_out_request_heads_log_no_traceback(sidecar_factory, caplog)
         head = await asyncio.wait_for(r.read(), 5)
         assert head.startswith(b"HTTP/1.1 408")
     assert not [rec for rec in caplog.records if rec.exc_info or rec.levelno >= logging.ERROR]
+
+
+async def test_an_upstream_dying_mid_body_is_a_failed_sequence(sidecar_factory):
+    from tests.faults import reset_mid_body
+
+    server = await asyncio.start_server(reset_mid_body, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        sc = await sidecar_factory(routes_yaml(f"http://127.0.0.1:{port}"))
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async with s.get(sc.url + "/x") as r:
+                    assert r.status == 200
+                    await r.read()
+        await asyncio.sleep(0.1)
+        state = sc.sidecar.states.get("main")
+        assert state.breaker.counts(sc.sidecar.clock.monotonic()) == (1, 1)
+        assert state.bulkhead.in_flight == 0
+        assert all(p.total == 0 for p in sc.sidecar.client.stats().values())
+    finally:
+        server.close()
+        await server.wait_closed()
