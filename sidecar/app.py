@@ -21,16 +21,17 @@ from sidecar.admin.snapshot import StatusSources
 from sidecar.config.model import Config
 from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader, ReloadResult
+from sidecar.core import Clock
 from sidecar.dlq.admin import dlq_routes, no_dlq_routes
+from sidecar.dlq.figures import DlqFigures
 from sidecar.dlq.replay import Replayer
 from sidecar.dlq.store import DlqStore
+from sidecar.engine.routestate import RouteStates
 from sidecar.lifecycle import Lifecycle
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.handler import ProxyHandler
 from sidecar.proxy.server import SidecarServer
 from sidecar.retry.breaker import GAUGE, State
-from sidecar.retry.loop import Clock
-from sidecar.retry.routestate import RouteStates
 from sidecar.telemetry.events import BreakerTransitioned, EventSink, Fanout
 from sidecar.telemetry.logs import RequestLog
 from sidecar.telemetry.metrics import Labels, Metrics
@@ -114,7 +115,7 @@ class Sidecar:
             life=self.life,
             rates=self.rates,
             stats=self.process_stats,
-            dlq=lambda: self.dlq,
+            dlq=DlqFigures(lambda: self.dlq),
             started_mono=self.clock.monotonic(),
             started_wall=self.clock.wall(),
         )
@@ -232,6 +233,10 @@ class Sidecar:
         server = SidecarServer(
             ProxyHandler(self.deps),
             header_timeout=lambda: self.store.current.limits.header_timeout,
+            send_timeout=lambda: self.store.current.limits.send_timeout,
+            # A client that goes away cancels its handler: no attempt, backoff or Retry-After
+            # wait runs for nobody (nginx's proxy_ignore_client_abort off).
+            handler_cancellation=True,
             on_malformed=self.deps.malformed,
             auto_decompress=False,  # bodies pass through byte-identical, gzip stays gzip
             access_log=None,

@@ -10,9 +10,11 @@ in ``formauth``: the token is typed into the form, never put in a URL or a page.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -30,20 +32,27 @@ from sidecar.admin.snapshot import (
     switch_view,
     take,
 )
-from sidecar.dlq.replay import Replayer
-from sidecar.dlq.store import DlqError
 
+log = logging.getLogger("sidecar.admin")
 MAX_NOTICES = 50
 MAX_REPLAY = 1000
 FORM_TYPE = "application/x-www-form-urlencoded"
 Form = dict[str, str]  # the fields of a posted form (the last value of a repeated one)
 
 
+class ParkedReplayer(Protocol):
+    """The DLQ's replayer as the page uses it (``sidecar.dlq.replay.Replayer``)."""
+
+    async def replay_batch(
+        self, route: str | None, status: str, limit: int, dry_run: bool
+    ) -> dict[str, Any]: ...
+
+
 @dataclass
 class PageDeps:
     sources: StatusSources
     token: str | None
-    replayer: Callable[[], Replayer | None]
+    replayer: Callable[[], ParkedReplayer | None]
     nonces: Nonces = field(default_factory=Nonces)
     notices: OrderedDict[int, Notice] = field(default_factory=OrderedDict)
     next_notice: int = 1
@@ -236,7 +245,8 @@ def page_routes(deps: PageDeps) -> tuple[list[ExtraRoute], list[FormRoute]]:
         dry_run = bool(f.get("dry_run"))
         try:
             result = await replayer.replay_batch(route, "parked", int(limit_raw), dry_run)
-        except DlqError as exc:
+        except Exception as exc:  # the store's errors (DlqError) say what went wrong
+            log.warning("replay from the status page failed: %s", exc)
             return await replay_page(f, f"The DLQ could not be read: {exc}", 503)
         nid = deps.notice(True, _replay_summary(route, result))
         raise web.HTTPSeeOther(f"/?done={nid}")

@@ -11,7 +11,7 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 
-from sidecar.retry.loop import Clock
+from sidecar.core import Clock
 from sidecar.telemetry.metrics import Metrics
 
 INTERVAL = 2.0

@@ -338,8 +338,8 @@ def _legend(st: Status, token_set: bool) -> str:
         '<h2>Reading it</h2><p class="mute">Req/s, success and retries/req cover the window '
         "above. Success is the share of requests whose fate is <code>success</code> (an answer "
         "below 400); a 4xx passed through counts as <code>not-retryable</code>. Budget left is "
-        "how many retries the retry budget allows right now. In flight counts upstream "
-        "attempts against the bulkhead. "
+        "how many retries the retry budget allows right now. In flight counts the requests "
+        "holding a slot of the route's bulkhead (going to, or coming back from, the upstream). "
         f'{auth} The same figures as JSON: <a href="/status">/status</a>; metrics: '
         '<a href="/metrics">/metrics</a>.</p>'
     )

@@ -3,32 +3,39 @@
 
 It only reads what already exists (the config snapshot, the route states, the kill switches,
 the metrics registry through the rate sampler, the DLQ through its reader connection) and
-changes nothing. The one query that touches the disk runs in a thread, never on the loop.
+changes nothing. The one query that touches the disk (``sidecar.dlq.figures``) runs in a thread,
+never on the loop.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from sidecar.admin.killswitch import KillSwitch, Switch
 from sidecar.admin.rates import RateSampler
 from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader
-from sidecar.dlq.store import DlqError, DlqStore
+from sidecar.core import Clock
+from sidecar.engine.routestate import RouteState, RouteStates
 from sidecar.lifecycle import Lifecycle
 from sidecar.retry.breaker import State
-from sidecar.retry.loop import Clock
-from sidecar.retry.routestate import RouteState, RouteStates
 from sidecar.telemetry.metrics import Metrics
 
 WINDOWS = {"10s": 10.0, "1m": 60.0, "5m": 300.0}
 DEFAULT_WINDOW = "1m"
 DLQ_CACHE_SECONDS = 1.0
+
+
+class DlqView(Protocol):
+    """The DLQ as the page reads it (``sidecar.dlq.figures.DlqFigures``)."""
+
+    def is_open(self) -> bool: ...
+
+    async def per_route(self, wall: float) -> dict[str, dict[str, Any]]: ...
 
 
 @dataclass
@@ -44,7 +51,7 @@ class StatusSources:
     life: Lifecycle
     rates: RateSampler
     stats: Callable[[], dict[str, Any]]
-    dlq: Callable[[], DlqStore | None]
+    dlq: DlqView
     started_mono: float = field(default_factory=time.monotonic)
     started_wall: float = field(default_factory=time.time)
     _dlq_cache: tuple[float, dict[str, dict[str, Any]]] | None = None
@@ -147,7 +154,7 @@ async def take(src: StatusSources, window: str = DEFAULT_WINDOW) -> Status:
     config = src.store.current
     win = src.rates.window(WINDOWS.get(window, WINDOWS[DEFAULT_WINDOW]))
     switches = [switch_view(s, wall) for s in src.kill.active(now)]
-    dlq = src.dlq()
+    dlq_open = src.dlq.is_open()
     per_route_dlq = await dlq_figures(src)
     routes = []
     for r in config.routes:
@@ -183,8 +190,8 @@ async def take(src: StatusSources, window: str = DEFAULT_WINDOW) -> Status:
                 switches=[s for s in switches if s.scope in ("global", f"route:{r.name}")],
                 attempts_limit=r.retry.attempts,
                 dlq_enabled=r.dlq.enabled,
-                dlq_pending=d.get("pending", 0) if dlq is not None else None,
-                dlq_parked=d.get("parked", 0) if dlq is not None else None,
+                dlq_pending=d.get("pending", 0) if dlq_open else None,
+                dlq_parked=d.get("parked", 0) if dlq_open else None,
                 dlq_oldest_pending_age=d.get("pending_age"),
                 dlq_oldest_parked_age=d.get("parked_age"),
             )
@@ -211,7 +218,7 @@ async def take(src: StatusSources, window: str = DEFAULT_WINDOW) -> Status:
         client_connections=stats.get("client_connections"),
         upstream_connections=sum(int(p.get("total", 0)) for p in pools),
         upstream_idle=sum(int(p.get("idle", 0)) for p in pools),
-        dlq="open" if dlq is not None and dlq.available else _dlq_off(src),
+        dlq="open" if dlq_open else _dlq_off(src),
         dlq_path=config.dlq.path,
     )
     return Status(wall, window, win.seconds, process, routes, switches)
@@ -222,45 +229,12 @@ def _dlq_off(src: StatusSources) -> str:
     return "unavailable" if wanted else "off"
 
 
-# -- the DLQ figures: one grouped read on the store's reader connection, in a thread ----------
-
-_COUNTS = (
-    "SELECT status, route, COUNT(*), MIN(seq) FROM records "
-    "WHERE status IN ('pending', 'parked') GROUP BY status, route"
-)
-
-
-def _read_dlq(store: DlqStore) -> list[tuple[str, str, int, float]]:
-    """(status, route, count, oldest created_at). The first query is answered from the
-    (status, route, seq) index; the second reads one row per group."""
-    groups = store._read(_COUNTS, ())
-    if not groups:
-        return []
-    seqs = [g[3] for g in groups]
-    marks = ",".join("?" * len(seqs))
-    created = dict(
-        store._read(f"SELECT seq, created_at FROM records WHERE seq IN ({marks})", tuple(seqs))
-    )
-    return [(g[0], g[1], int(g[2]), float(created.get(g[3], 0.0))) for g in groups]
-
-
 async def dlq_figures(src: StatusSources) -> dict[str, dict[str, Any]]:
     """Per route: ``pending``/``parked`` counts and ``pending_age``/``parked_age`` (seconds).
     Cached for a second, so many open pages cost one read."""
-    store = src.dlq()
-    if store is None or not store.available:
-        return {}
-    now, wall = src.clock.monotonic(), src.clock.wall()
+    now = src.clock.monotonic()
     if src._dlq_cache is not None and now - src._dlq_cache[0] < DLQ_CACHE_SECONDS:
         return src._dlq_cache[1]
-    try:
-        rows = await asyncio.to_thread(_read_dlq, store)
-    except DlqError:
-        return {}
-    out: dict[str, dict[str, Any]] = {}
-    for status, route, count, created in rows:
-        d = out.setdefault(route, {})
-        d[status] = count
-        d[f"{status}_age"] = max(0.0, wall - created)
+    out = await src.dlq.per_route(src.clock.wall())
     src._dlq_cache = (now, out)
     return out
