@@ -87,6 +87,14 @@ class AttemptTimeout(UpstreamError):
     status = 504
 
 
+class RetryStopped(UpstreamError):
+    """A retry was due but the kill switch was set during its backoff: the sequence ends with
+    the last attempt's failure, whose response was already let go."""
+
+    code = "kill-switch"
+    status = 503
+
+
 class NoTimeLeft(AttemptTimeout):
     """The sequence deadline was spent before this attempt could write a byte upstream."""
 
