@@ -19,7 +19,7 @@ from multidict import CIMultiDict
 
 from sidecar.config.model import Config, IpNetwork, Route
 from sidecar.dlq.capture import Captured, capture
-from sidecar.dlq.record import WRITE_METHODS
+from sidecar.dlq.record import WRITE_METHODS, KeptBody
 from sidecar.proxy import forward
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.respond import ProxyFullResponse, ProxyResponse, client_error, proxy_error
@@ -219,7 +219,7 @@ class ProxyHandler:
             clock.monotonic(), route.timeout, parse_timeout_ms(_s(timeout_ms))
         )
 
-        idem = request.headers.get("Idempotency-Key") is not None
+        idem = bool(request.headers.get("Idempotency-Key", "").strip())  # blank is no key
         exchange = Exchange(
             route, method, target, shared, body, chunked, replayable, edge, deadline, idem, span
         )
@@ -229,7 +229,6 @@ class ProxyHandler:
             resp413 = client_error(413, str(exc))
             return self._finish(request, route, start, resp413, Fate.NOT_RETRYABLE, 1, None, span)
         result = executed.result
-        stored_body = body if isinstance(body, bytes) else None
         error: str | None
         if result is None:  # the breaker refused the sequence
             fate, attempts, status, error = Fate.BREAKER_OPEN, 0, None, "breaker open"
@@ -244,12 +243,13 @@ class ProxyHandler:
                 method,
                 target,
                 as_received,
-                stored_body,
+                KeptBody.of(body),
                 fate,
                 attempts,
                 status,
                 error,
                 deps.dlq_write,
+                result,
             )
         if captured is not None and captured.record_id and route.dlq.respond == "accepted":
             if result is not None and result.response is not None:
