@@ -120,6 +120,7 @@ class Sidecar:
         self._dlq_path = config.dlq.path
         self._dlq_opening: asyncio.Lock | None = None
         self.dlq_max_page_count: int | None = None  # tests: a real SQLITE_FULL
+        self.dlq_busy_timeout_ms = 5000  # tests: a lock held elsewhere fails sooner
         self._proxy_runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self._tasks: dict[str, asyncio.Task[Any]] = {}
@@ -225,6 +226,7 @@ class Sidecar:
             config.dlq.max_records,
             config.dlq.max_bytes,
             max_page_count=self.dlq_max_page_count,
+            busy_timeout_ms=self.dlq_busy_timeout_ms,
         )
         try:
             store.open()
