@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from sidecar.dlq.record import NewRecord
 from sidecar.dlq import store as dlq_store
+from sidecar.dlq.record import NewRecord
 from sidecar.dlq.store import DlqStore
 from tests.conftest import reply
 from tests.proc import SidecarProcess, free_port
@@ -27,7 +27,9 @@ NOW = 1_800_000_000.0
 
 
 def rec(method: str = "PUT", key: str | None = "k", reached: bool = True) -> NewRecord:
-    return NewRecord("main", method, "/o", [], b"body", "exhausted", 1, 503, None, key, NOW, reached)
+    return NewRecord(
+        "main", method, "/o", [], b"body", "exhausted", 1, 503, None, key, NOW, reached
+    )
 
 
 def row(db: Path, rid: str) -> dict[str, Any]:
@@ -80,7 +82,9 @@ async def test_claims_are_exclusive_across_store_instances(tmp_path):
         for rid, trio in zip(ids, per_record, strict=True):
             owner = next(g for g in trio if g is not None)
             store = b if owner == "B" else a
-            assert await store.finish(rid, owner, dlq_store.Finish("delivered", True, 200, None, True), NOW)
+            assert await store.finish(
+                rid, owner, dlq_store.Finish("delivered", True, 200, None, True), NOW
+            )
         for store in (a, b):
             with pytest.raises(dlq_store.RecordDelivered):
                 await store.claim(ids[0], "late", ("pending", "parked"), 60.0, NOW + 10**6)
@@ -108,8 +112,12 @@ async def test_an_expired_claim_is_taken_over_and_counts_as_possibly_sent(tmp_pa
         taken = await store.claim(rid, "other", ("pending",), 60.0, NOW + 60.0)
         assert taken["claimed_by"] == "other" and taken["reached_upstream"] is True
         # The dead owner's late answer is not recorded.
-        assert not await store.finish(rid, "dead-process", dlq_store.Finish("delivered", True, 200, None, True), NOW + 61)
-        assert await store.finish(rid, "other", dlq_store.Finish("pending", True, 503, None, False), NOW + 61)
+        assert not await store.finish(
+            rid, "dead-process", dlq_store.Finish("delivered", True, 200, None, True), NOW + 61
+        )
+        assert await store.finish(
+            rid, "other", dlq_store.Finish("pending", True, 503, None, False), NOW + 61
+        )
         r = await store.get(rid)
         assert r is not None and r["status"] == "pending" and r["claimed_by"] is None
         with pytest.raises(dlq_store.RecordNotInStatus):
@@ -213,9 +221,10 @@ async def test_two_processes_sharing_a_file_deliver_every_record_exactly_once(
             def all_delivered() -> bool:
                 conn = sqlite3.connect(db)
                 try:
-                    return conn.execute(
+                    n: int = conn.execute(
                         "SELECT COUNT(*) FROM records WHERE status = 'delivered'"
-                    ).fetchone()[0] == len(ids)
+                    ).fetchone()[0]
+                    return n == len(ids)
                 finally:
                     conn.close()
 
@@ -418,12 +427,15 @@ async def test_redrive_resends_only_what_is_safe_and_parks_the_rest(
     async with client.post(sc.url + "/pay", data=b"keyless") as resp:
         assert resp.headers["x-retry-fate"] == "non-idempotent"
         unsafe = resp.headers["x-retry-dlq-id"]
-    async with client.post(sc.url + "/pay", data=b"keyed", headers={"Idempotency-Key": "p-1"}) as resp:
+    async with client.post(
+        sc.url + "/pay", data=b"keyed", headers={"Idempotency-Key": "p-1"}
+    ) as resp:
         keyed = resp.headers["x-retry-dlq-id"]
     async with client.post(sc.url + "/gone/pay", data=b"never left") as resp:
         assert resp.headers["x-retry-proxy-error"] == "connect-failure"
         untouched = resp.headers["x-retry-dlq-id"]
     hanging = False
+
     async def gone_ok(request: web.Request) -> web.StreamResponse:
         if request.headers.get("x-retry-replay"):
             replays.append(request.headers["x-retry-replay"])
@@ -432,8 +444,10 @@ async def test_redrive_resends_only_what_is_safe_and_parks_the_rest(
     gone = await start_at(gone_port, gone_ok)
     try:
         await eventually(
-            lambda: [row(db, r)["status"] for r in (unsafe, keyed, untouched)]
-            == ["parked", "delivered", "delivered"],
+            lambda: (
+                [row(db, r)["status"] for r in (unsafe, keyed, untouched)]
+                == ["parked", "delivered", "delivered"]
+            ),
             timeout=15,
         )
         parked = row(db, unsafe)
