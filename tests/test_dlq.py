@@ -236,6 +236,21 @@ async def test_replay_delivers_with_the_same_idempotency_key(
     assert rec["status"] == "delivered" and rec["replays"] == 1 and rec["body"] == '{"a": 1}'
 
 
+async def test_a_client_cannot_send_the_replay_marker(
+    upstream_factory, sidecar_factory, client, tmp_path
+):
+    """x-retry-replay tells an upstream that this is a DLQ replay; only the sidecar's own
+    replays may say so -- not a client, not even one from a trusted (loopback) address."""
+    up = await upstream_factory(reply(200))
+    sc = await sidecar_factory(dlq_yaml(up.url, tmp_path / "dlq.sqlite3"))
+    async with client.post(
+        sc.url + "/o", data=b"{}", headers={"X-Retry-Replay": "0123", "X-Other": "kept"}
+    ) as resp:
+        assert resp.status == 200
+    [seen] = up.seen
+    assert seen.header("x-retry-replay") is None and seen.header("x-other") == "kept"
+
+
 async def test_replay_4xx_parks_and_repeated_failures_park(
     upstream_factory, sidecar_factory, client, tmp_path
 ):
