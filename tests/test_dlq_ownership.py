@@ -453,7 +453,6 @@ async def test_redrive_resends_only_what_is_safe_and_parks_the_rest(
         parked = row(db, unsafe)
         assert "may have reached the upstream" in parked["parked_reason"]
         assert unsafe not in replays  # never resent automatically
-        assert row(db, untouched)["reached_upstream"] == 0  # as captured: it never left
         async with client.get(admin(sc) + f"/dlq/{unsafe}") as resp:
             shown = await resp.json()
         assert shown["status"] == "parked" and shown["reached_upstream"] is True

@@ -212,9 +212,7 @@ async def test_dlq_bounds_apply_on_reload(upstream_factory, sidecar_factory, cli
         async with client.put(sc.url + "/o", data=b"1") as resp:
             seen.append(resp.headers["x-retry-dlq"])
     assert seen[2:] == ["stored", "stored", "full"]
-    cfg.write_text(
-        text(100).replace(f'max_records: 100}}', f'max_records: 100, max_bytes: 10}}')
-    )
+    cfg.write_text(text(100).replace("max_records: 100}", "max_records: 100, max_bytes: 10}"))
     await sc.sidecar.reload("test")
     async with client.put(sc.url + "/o", data=b"1") as resp:
         assert resp.headers["x-retry-dlq"] == "full"  # nothing stored is dropped
@@ -257,9 +255,10 @@ async def test_drain_timeout_applies_on_reload(upstream_factory, client, tmp_pat
 
     up = await upstream_factory(hang(30))
     cfg = tmp_path / "sidecar.yaml"
-    text = routes_yaml(
-        up.url, "    timeout: 60s\n    retry: {attempts: 1, per_try_timeout: 60s}"
-    ) + "drain_timeout: 30s\n"
+    text = (
+        routes_yaml(up.url, "    timeout: 60s\n    retry: {attempts: 1, per_try_timeout: 60s}")
+        + "drain_timeout: 30s\n"
+    )
     cfg.write_text(text)
     sc = Sidecar(parse_text(text, str(cfg)), config_path=str(cfg))
     await sc.start()
