@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from sidecar.dlq import errors as dlq_errors
 from sidecar.dlq import store as dlq_store
 from sidecar.dlq.record import NewRecord
 from sidecar.dlq.store import DlqStore
@@ -69,7 +70,7 @@ async def test_claims_are_exclusive_across_store_instances(tmp_path):
         async def try_claim(store: DlqStore, owner: str, rid: str) -> str | None:
             try:
                 await store.claim(rid, owner, ("pending", "parked"), 60.0, NOW)
-            except dlq_store.RecordBusy:
+            except dlq_errors.RecordBusy:
                 return None
             return owner
 
@@ -86,9 +87,9 @@ async def test_claims_are_exclusive_across_store_instances(tmp_path):
                 rid, owner, dlq_store.Finish("delivered", True, 200, None, True), NOW
             )
         for store in (a, b):
-            with pytest.raises(dlq_store.RecordDelivered):
+            with pytest.raises(dlq_errors.RecordDelivered):
                 await store.claim(ids[0], "late", ("pending", "parked"), 60.0, NOW + 10**6)
-        with pytest.raises(dlq_store.RecordNotFound):
+        with pytest.raises(dlq_errors.RecordNotFound):
             await a.claim("nope", "x", ("pending",), 60.0, NOW)
     finally:
         a.close()
@@ -105,9 +106,9 @@ async def test_an_expired_claim_is_taken_over_and_counts_as_possibly_sent(tmp_pa
     try:
         rid = await store.add(rec("POST", key=None, reached=False))
         await store.claim(rid, "dead-process", ("pending",), 60.0, NOW)
-        with pytest.raises(dlq_store.RecordBusy):
+        with pytest.raises(dlq_errors.RecordBusy):
             await store.claim(rid, "other", ("pending",), 60.0, NOW + 59.0)
-        with pytest.raises(dlq_store.RecordBusy):
+        with pytest.raises(dlq_errors.RecordBusy):
             await store.delete(rid, now=NOW + 59.0)
         taken = await store.claim(rid, "other", ("pending",), 60.0, NOW + 60.0)
         assert taken["claimed_by"] == "other" and taken["reached_upstream"] is True
@@ -120,7 +121,7 @@ async def test_an_expired_claim_is_taken_over_and_counts_as_possibly_sent(tmp_pa
         )
         r = await store.get(rid)
         assert r is not None and r["status"] == "pending" and r["claimed_by"] is None
-        with pytest.raises(dlq_store.RecordNotInStatus):
+        with pytest.raises(dlq_errors.RecordNotInStatus):
             await store.claim(rid, "x", ("parked",), 60.0, NOW + 62)
     finally:
         store.close()
@@ -286,7 +287,7 @@ async def test_a_crashed_replay_leaves_a_claim_that_expires(upstream_factory, tm
     store = DlqStore(str(db), 100, 10**6)
     store.open()
     try:
-        with pytest.raises(dlq_store.RecordBusy):
+        with pytest.raises(dlq_errors.RecordBusy):
             await store.claim(rid, "successor", ("pending",), 60.0, expires - 1.0)
         taken = await store.claim(rid, "successor", ("pending",), 60.0, expires)
         assert taken["reached_upstream"] is True and taken["body_bytes"] == b"x"

@@ -15,8 +15,9 @@ from typing import Any
 from aiohttp import web
 
 from sidecar.admin.server import ExtraRoute, error, iso
+from sidecar.dlq.errors import ClaimRefused, DlqError, RecordBusy, RecordNotFound
 from sidecar.dlq.replay import Replayer
-from sidecar.dlq.store import ClaimRefused, DlqError, DlqStore, RecordBusy, RecordNotFound
+from sidecar.dlq.store import DlqStore
 
 STATUSES = ("pending", "delivered", "parked")
 MAX_LIMIT = 1000

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sidecar.config.model import Route
+from sidecar.dlq.errors import DlqError
 from sidecar.dlq.record import (
     WRITE_METHODS,
     KeptBody,
@@ -15,7 +16,7 @@ from sidecar.dlq.record import (
     storable_headers,
     transient_failure,
 )
-from sidecar.dlq.store import DlqError, DlqStore
+from sidecar.dlq.store import DlqStore
 from sidecar.retry.classify import may_resend
 from sidecar.retry.decide import Fate
 from sidecar.retry.loop import SequenceResult

@@ -19,8 +19,9 @@ import time
 from collections.abc import Callable
 
 from sidecar.config.model import Config
+from sidecar.dlq.errors import ClaimRefused
 from sidecar.dlq.replay import DELIVERED_RETENTION, Replayer
-from sidecar.dlq.store import ClaimRefused, DlqStore
+from sidecar.dlq.store import DlqStore
 from sidecar.lifecycle import Lifecycle
 from sidecar.retry.decide import Fate
 
@@ -54,7 +55,6 @@ class Redrive:
         self._monotonic = monotonic
         self._due: dict[str, float] = {}
         self.failures: dict[str, int] = {}  # consecutive failed rounds, per route
-        self.rounds = 0  # finished rounds, for tests and /stats
 
     async def run(self) -> None:
         while True:
@@ -87,7 +87,6 @@ class Redrive:
                     if self.failures.pop(route.name, 0):
                         log.info("DLQ redrive of route %s works again", route.name)
                     self._due[route.name] = next_run(self._monotonic(), rd.interval, 0)
-                self.rounds += 1
 
     async def round(self, route: str) -> None:
         rows, _ = await self.replayer.store.list(

@@ -31,8 +31,9 @@ from typing import Any
 
 from sidecar.config.model import Config, Route
 from sidecar.dlq.capture import reached_upstream
+from sidecar.dlq.errors import ClaimRefused, DlqError, RecordNotFound
 from sidecar.dlq.record import safe_to_resend
-from sidecar.dlq.store import ClaimRefused, DlqError, DlqStore, Finish, RecordNotFound
+from sidecar.dlq.store import DlqStore, Finish
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.sequence import Exchange, execute
 from sidecar.retry.deadline import Deadline
@@ -85,16 +86,14 @@ def lease_for(route: Route) -> float:
     return route.timeout + EXECUTE_SLACK + DRAIN_LIMIT + LEASE_MARGIN
 
 
-def next_status(
-    current: str, http_status: int | None, failed: bool, replays: int, max_replays: int
-) -> tuple[str, str | None]:
+def next_status(http_status: int | None, replays: int, max_replays: int) -> tuple[str, str | None]:
     """Where a record goes after a replay that was sent: (status, parked_reason). Pure."""
     if http_status is not None and http_status < 400:
         return "delivered", None
     if http_status is not None and http_status < 500:
         # The upstream's own answer: replaying again will not change it.
         return "parked", f"the upstream answered {http_status}"
-    if failed and replays >= max_replays:
+    if replays >= max_replays:
         return "parked", f"max_replays ({max_replays}) reached"
     return "pending", None
 
@@ -142,7 +141,7 @@ class Replayer:
         await self._pace(route.name, route.dlq.replay_rate)
         claimed = await self._claim(rid, statuses, lease_for(route))
         sent = False
-        done = False
+        settled = False  # the outcome is being recorded: no bare release any more
         try:
             key = claimed["idempotency_key"]
             if automatic and not safe_to_resend(
@@ -155,10 +154,13 @@ class Replayer:
             else:
                 sent = True  # a cancellation from here on may leave bytes at the upstream
                 outcome, fin = await self._send(route, claimed)
-                sent = fin.reached
-            done = await self._record(rid, fin, outcome)
+            # The finish is queued even if this task is cancelled while awaiting it; if the
+            # disk refuses it for good, the claim is left to expire rather than released
+            # without its outcome (a delivery that was not recorded must not be resent early).
+            settled = True
+            await self._record(rid, fin, outcome)
         finally:
-            if not done:
+            if not settled:
                 self.store.release_soon(rid, self.owner, sent)
         log.info(
             "DLQ replay of %s on route %s: %s (%s, http %s)",
@@ -211,7 +213,7 @@ class Replayer:
             async with asyncio.timeout(route.timeout + EXECUTE_SLACK):
                 executed = await execute(self.deps, config_name, ex)
         except TimeoutError:
-            fin = self._failed(rec, route, None, "the replay ran out of time", reached=True)
+            fin = self._after_send(rec, route, None, "the replay ran out of time", reached=True)
             return ReplayOutcome(rid, fin.status, None, Fate.DEADLINE.value, 1), fin
         result = executed.result
         http_status: int | None = None
@@ -229,10 +231,10 @@ class Replayer:
             return ReplayOutcome(rid, rec["status"], None, fate.value, attempts), fin
         reached = reached_upstream(result, route, method, has_key)
         error = str(result.error) if result.error is not None else None
-        fin = self._failed(rec, route, http_status, error, reached)
+        fin = self._after_send(rec, route, http_status, error, reached)
         return ReplayOutcome(rid, fin.status, http_status, result.fate.value, result.attempts), fin
 
-    def _failed(
+    def _after_send(
         self,
         rec: dict[str, Any],
         route: Route,
@@ -241,13 +243,10 @@ class Replayer:
         reached: bool,
     ) -> Finish:
         replays = int(rec["replays"]) + 1
-        failed = http_status is None or http_status >= 500
-        status, reason = next_status(
-            rec["status"], http_status, failed, replays, route.dlq.max_replays
-        )
+        status, reason = next_status(http_status, replays, route.dlq.max_replays)
         return Finish(status, True, http_status, error, reached, reason)
 
-    async def _record(self, rid: str, fin: Finish, outcome: ReplayOutcome) -> bool:
+    async def _record(self, rid: str, fin: Finish, outcome: ReplayOutcome) -> None:
         """Record the outcome and give the claim back. A disk that refuses is tried again a
         few times: forgetting a delivery would let it be sent again after the lease."""
         for pause in (*FINISH_TRIES, None):
@@ -259,7 +258,7 @@ class Replayer:
                         rid,
                         outcome.status,
                     )
-                return True
+                return
             except DlqError as exc:
                 if pause is None:
                     log.error(
@@ -272,7 +271,6 @@ class Replayer:
                     )
                     raise
                 await asyncio.sleep(pause)
-        return True  # pragma: no cover - the loop returns or raises
 
     async def replay_batch(
         self, route: str | None, status: str, limit: int, dry_run: bool

@@ -22,74 +22,38 @@ processes wrote; a metrics scrape only reads that published value and never touc
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
-import queue
 import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.dlq import schema
+from sidecar.dlq.errors import (
+    DlqFull,
+    DlqUnavailable,
+    RecordBusy,
+    RecordDelivered,
+    RecordNotFound,
+    RecordNotInStatus,
+)
 from sidecar.dlq.record import NewRecord
+from sidecar.dlq.writer import Delta, GroupWriter, Operation
 
 log = logging.getLogger("sidecar.dlq")
 
-GROUP_MAX = 512
 REFRESH_EVERY = 10.0  # seconds between full recounts of the file (other processes' writes)
-STATUSES = ("pending", "delivered", "parked")
 COLUMNS = (
     "seq, id, route, status, method, target, fate, attempts, last_status, last_error, "
     "idempotency_key, replays, size, created_at, updated_at, reached_upstream, claimed_by, "
     "claimed_at, claim_expires_at, parked_reason"
 )
 _NCOLS = COLUMNS.count(",") + 1
-
-Delta = dict[str, int]
-
-
-class DlqError(Exception):
-    header = "unavailable"
-
-
-class DlqFull(DlqError):
-    header = "full"
-
-
-class DlqUnavailable(DlqError):
-    header = "unavailable"
-
-
-class ClaimRefused(Exception):
-    """The record cannot be claimed (or purged) now; nothing was changed."""
-
-
-class RecordNotFound(ClaimRefused):
-    pass
-
-
-class RecordDelivered(ClaimRefused):
-    pass
-
-
-class RecordBusy(ClaimRefused):
-    pass
-
-
-class RecordNotInStatus(ClaimRefused):
-    pass
-
-
-# Refusals roll back only their own operation; the rest of the group commits.
-_REFUSALS = (DlqFull, ClaimRefused)
-
-
-_REFRESH: Any = object()  # the writer's wake-up for a periodic recount
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,13 +76,6 @@ class Finish:
     parked_reason: str | None = None
 
 
-@dataclass
-class _Op:
-    fn: Callable[[sqlite3.Connection, Delta], Any]
-    fut: asyncio.Future[Any]
-    loop: asyncio.AbstractEventLoop
-
-
 def new_id(now: float) -> str:
     """Time-ordered and unguessable: 13 hex digits of milliseconds, 8 random."""
     return f"{int(now * 1000):013x}{secrets.token_hex(4)}"
@@ -139,8 +96,7 @@ class DlqStore:
         self.max_bytes = max_bytes
         self._max_page_count = max_page_count  # tests: a real "database or disk is full"
         self._busy_timeout_ms = busy_timeout_ms
-        self._queue: queue.Queue[_Op | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._writer: GroupWriter | None = None
         self._reader: sqlite3.Connection | None = None
         self._read_lock = threading.Lock()
         # Written only by the writer thread: kept (pending + parked) records and bytes.
@@ -156,7 +112,7 @@ class DlqStore:
         return self.counts.by_status
 
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        return self._writer.depth() if self._writer is not None else 0
 
     def set_limits(self, max_records: int, max_bytes: int) -> None:
         """A reload: new bounds apply to the next record stored. Lowering them below what is
@@ -190,10 +146,8 @@ class DlqStore:
         except BaseException:
             writer.close()
             raise
-        self._thread = threading.Thread(
-            target=self._writer, args=(writer,), name="dlq-writer", daemon=True
-        )
-        self._thread.start()
+        self._writer = GroupWriter(writer, self._committed, self._recount, lambda: REFRESH_EVERY)
+        self._writer.start()
         self.available = True
 
     def _connect(self) -> sqlite3.Connection:
@@ -218,54 +172,15 @@ class DlqStore:
         return row is not None and row[0] == "ok"
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=10)
-            self._thread = None
+        if self._writer is not None:
+            self._writer.stop()
+            self._writer = None
         if self._reader is not None:
             self._reader.close()
             self._reader = None
         self.available = False
 
-    # -- the writer thread -----------------------------------------------------------------
-
-    def _writer(self, conn: sqlite3.Connection) -> None:
-        next_refresh = time.monotonic() + REFRESH_EVERY
-        try:
-            while True:
-                try:
-                    first = self._queue.get(timeout=max(0.0, next_refresh - time.monotonic()))
-                except queue.Empty:
-                    first = _REFRESH
-                if first is None:
-                    return
-                if first is _REFRESH or time.monotonic() >= next_refresh:
-                    next_refresh = time.monotonic() + REFRESH_EVERY
-                    self._refresh(conn)
-                    if first is _REFRESH:
-                        continue
-                batch = [first]
-                stop = False
-                while len(batch) < GROUP_MAX:
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is None:
-                        stop = True
-                        break
-                    batch.append(item)
-                self._run_batch(conn, batch)
-                if stop:
-                    return
-        finally:
-            conn.close()
-
-    def _refresh(self, conn: sqlite3.Connection) -> None:
-        try:
-            self._recount(conn)
-        except sqlite3.Error as exc:
-            log.warning("DLQ recount failed (the gauges keep their last value): %s", exc)
+    # -- what the writer thread keeps up to date -------------------------------------------
 
     def _recount(self, conn: sqlite3.Connection) -> None:
         """Counts from the file itself: also what other processes sharing it wrote."""
@@ -287,45 +202,9 @@ class DlqStore:
         ).fetchone()
         self.counts = Counts(dict(self._by_status), float(row[0]) if row else None)
 
-    def _run_batch(self, conn: sqlite3.Connection, batch: list[_Op]) -> None:
-        delta: Delta = {"records": 0, "bytes": 0}
-        outcomes: list[tuple[bool, Any]] = []
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            for op in batch:
-                conn.execute("SAVEPOINT op")
-                before = dict(delta)
-                try:
-                    outcomes.append((True, op.fn(conn, delta)))
-                    conn.execute("RELEASE op")
-                except (sqlite3.Error, OSError):
-                    raise
-                except Exception as exc:
-                    # A refusal (full, a claim not granted) or a bug: undo only this one.
-                    if not isinstance(exc, _REFUSALS):
-                        log.exception("DLQ operation failed")
-                    conn.execute("ROLLBACK TO op")
-                    conn.execute("RELEASE op")
-                    delta.clear()
-                    delta.update(before)
-                    outcomes.append((False, exc))
-            conn.execute("COMMIT")
-        except (sqlite3.Error, OSError) as exc:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
-            log.error("DLQ write failed (%d operations refused): %s", len(batch), exc)
-            err = DlqUnavailable(f"DLQ storage failed: {exc}")
-            outcomes = [(False, err)] * len(batch)
-            delta = {}
-        if any(v for v in delta.values()):
-            self._apply_delta(delta)
-            try:
-                self._publish(conn)
-            except sqlite3.Error as exc:
-                log.warning("DLQ gauge refresh failed: %s", exc)
-        for op, (ok, value) in zip(batch, outcomes, strict=True):
-            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
-                op.loop.call_soon_threadsafe(_settle, op.fut, ok, value)
+    def _committed(self, conn: sqlite3.Connection, delta: Delta) -> None:
+        self._apply_delta(delta)
+        self._publish(conn)
 
     def _apply_delta(self, delta: Delta) -> None:
         self.held_records += delta.get("records", 0)
@@ -337,15 +216,12 @@ class DlqStore:
                 by_status[s] = by_status.get(s, 0) + v
         self._by_status = by_status
 
-    def _enqueue(self, fn: Callable[[sqlite3.Connection, Delta], Any]) -> asyncio.Future[Any]:
-        if not self.available or self._thread is None:
+    def _enqueue(self, fn: Operation) -> asyncio.Future[Any]:
+        if not self.available or self._writer is None:
             raise DlqUnavailable("the DLQ is not open")
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
-        self._queue.put(_Op(fn, fut, loop))
-        return fut
+        return self._writer.submit(fn)
 
-    async def _submit(self, fn: Callable[[sqlite3.Connection, Delta], Any]) -> Any:
+    async def _submit(self, fn: Operation) -> Any:
         return await self._enqueue(fn)
 
     # -- writes ----------------------------------------------------------------------------
@@ -438,9 +314,7 @@ class DlqStore:
 
         return self._enqueue(take)
 
-    def _finish_op(
-        self, rid: str, owner: str, fin: Finish, now: float
-    ) -> Callable[[sqlite3.Connection, Delta], bool]:
+    def _finish_op(self, rid: str, owner: str, fin: Finish, now: float) -> Operation:
         def update(conn: sqlite3.Connection, delta: Delta) -> bool:
             row = conn.execute(
                 "SELECT status, size FROM records WHERE id = ? AND claimed_by = ?", (rid, owner)
@@ -624,15 +498,6 @@ def _full(r: tuple[Any, ...]) -> dict[str, Any]:
     out["headers"] = [list(h) for h in json.loads(r[_NCOLS])]
     out["body_bytes"] = bytes(r[_NCOLS + 1])
     return out
-
-
-def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
-    if fut.done():
-        return
-    if ok:
-        fut.set_result(value)
-    else:
-        fut.set_exception(value)
 
 
 def _log_release(fut: asyncio.Future[Any]) -> None:
