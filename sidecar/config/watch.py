@@ -56,6 +56,7 @@ RELOAD_RULES: dict[str, str] = {
     "limits.body_idle_timeout": "live",
     "limits.max_request_body": "live",
     "limits.keepalive_timeout": "restart",  # given to aiohttp's server at start
+    "limits.send_timeout": "live",
     "drain_timeout": "live",
     "upstream_pool": "restart",  # the pools are built at start
     "routes": "live",

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sidecar.config.model import Route
+from sidecar.core import Fate
 from sidecar.dlq.errors import DlqError
 from sidecar.dlq.record import (
     WRITE_METHODS,
@@ -17,10 +18,8 @@ from sidecar.dlq.record import (
     transient_failure,
 )
 from sidecar.dlq.store import DlqStore
+from sidecar.engine.loop import SequenceResult
 from sidecar.retry.classify import may_resend
-from sidecar.retry.decide import Fate
-from sidecar.retry.loop import SequenceResult
-from sidecar.upstream.errors import ConnectFailure, LocalOverload
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,15 +37,16 @@ def reached_upstream(
     """Whether any byte of the request may have reached the upstream during the sequence.
 
     No when the breaker refused it (``result`` None) or when its last attempt failed before
-    sending (connect failure, local overload) and no earlier attempt can have sent anything:
+    sending (connect failure, local overload, no time left) and no earlier attempt can have
+    sent anything:
     the retry rules resend a request whose bytes may have reached the upstream only when the
     route allows resending it, so without that every earlier attempt was a connect failure too.
     """
     if result is None:
         return False
-    if result.response is not None:
+    if result.response is not None or result.error is None:
         return True
-    if not isinstance(result.error, ConnectFailure | LocalOverload):
+    if result.error.reached_upstream:
         return True
     return result.attempts > 1 and may_resend(route.retry, method, has_key)
 

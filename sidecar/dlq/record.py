@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sidecar.config.model import RetryPolicy
+from sidecar.core import Fate
 from sidecar.retry.classify import may_resend
-from sidecar.retry.decide import Fate
 
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 CREDENTIALS = frozenset({"authorization", "cookie", "proxy-authorization"})

@@ -19,11 +19,11 @@ import time
 from collections.abc import Callable
 
 from sidecar.config.model import Config
+from sidecar.core import Fate
 from sidecar.dlq.errors import ClaimRefused
 from sidecar.dlq.replay import DELIVERED_RETENTION, Replayer
 from sidecar.dlq.store import DlqStore
 from sidecar.lifecycle import Lifecycle
-from sidecar.retry.decide import Fate
 
 log = logging.getLogger("sidecar.dlq")
 

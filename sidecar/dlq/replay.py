@@ -19,7 +19,6 @@ leaves a claim that anyone may take over once it expired.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
@@ -30,15 +29,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from sidecar.config.model import Config, Route
+from sidecar.core import Fate, LocalOverload, UpstreamError
 from sidecar.dlq.capture import reached_upstream
 from sidecar.dlq.errors import ClaimRefused, DlqError, RecordNotFound
 from sidecar.dlq.record import safe_to_resend
 from sidecar.dlq.store import DlqStore, Finish
-from sidecar.proxy.deps import ProxyDeps
-from sidecar.proxy.sequence import Exchange, execute
+from sidecar.engine.deps import EngineDeps
+from sidecar.engine.loop import SequenceResult
+from sidecar.engine.sequence import Exchange, Sequence
 from sidecar.retry.deadline import Deadline
-from sidecar.retry.decide import Fate
-from sidecar.upstream.errors import UpstreamError
+from sidecar.upstream.client import UpstreamResponse
 
 log = logging.getLogger("sidecar.dlq")
 
@@ -102,7 +102,7 @@ class Replayer:
     def __init__(
         self,
         store: DlqStore,
-        deps: ProxyDeps,
+        deps: EngineDeps,
         config: Callable[[], Config],
         owner: str | None = None,
         wall: Callable[[], float] = time.time,
@@ -209,20 +209,26 @@ class Replayer:
             idempotency_key=has_key,
         )
         config_name = self._config().name.encode()
-        try:
-            async with asyncio.timeout(route.timeout + EXECUTE_SLACK):
-                executed = await execute(self.deps, config_name, ex)
-        except TimeoutError:
-            fin = self._after_send(rec, route, None, "the replay ran out of time", reached=True)
-            return ReplayOutcome(rid, fin.status, None, Fate.DEADLINE.value, 1), fin
-        result = executed.result
+        result: SequenceResult | None = None  # stays None when the breaker refused
         http_status: int | None = None
-        if result is not None and result.response is not None:
-            http_status = result.response.status
-            await _drain(result.response, route.retry.per_try_timeout)
-        if result is None or result.fate is Fate.OVERLOADED:
-            # Nothing was sent (breaker refused, no room): the record stays as it was.
-            fate = Fate.BREAKER_OPEN if result is None else Fate.OVERLOADED
+        try:
+            async with (
+                asyncio.timeout(route.timeout + EXECUTE_SLACK + DRAIN_LIMIT),
+                Sequence(self.deps, config_name, ex) as seq,
+            ):
+                result = seq.result
+                if result is not None and result.response is not None:
+                    http_status = result.response.status
+                    if not await _drain(result.response, route.retry.per_try_timeout):
+                        seq.body_failed()  # the upstream broke mid-body
+        except TimeoutError:
+            if http_status is None:  # no answer in time (an answer's status stands)
+                fin = self._after_send(rec, route, None, "the replay ran out of time", True)
+                return ReplayOutcome(rid, fin.status, None, Fate.DEADLINE.value, 1), fin
+        if result is None or result.attempts == 0 or isinstance(result.error, LocalOverload):
+            # Nothing was tried (breaker refused, no room, no time left): the record stays as
+            # it was, and no replay is counted.
+            fate = Fate.BREAKER_OPEN if result is None else result.fate
             fin = Finish(
                 rec["status"], False, rec["last_status"], rec["last_error"], False,
                 rec["parked_reason"],
@@ -296,21 +302,19 @@ class Replayer:
         return {"dry_run": False, "replayed": results}
 
 
-async def _drain(response: Any, idle: float) -> None:
+async def _drain(response: UpstreamResponse, idle: float) -> bool:
     """Read the replay's response to its end (so its connection can be reused), for at most
-    DRAIN_LIMIT; on any other exit -- an upstream error, the limit, a cancellation -- the
-    response is discarded. The status is what counts; the body is dropped."""
-    whole = False
+    DRAIN_LIMIT; the status is what counts, the body is dropped. False if the upstream broke
+    mid-body. On any other early exit the sequence's scope discards the response."""
     try:
         async with asyncio.timeout(DRAIN_LIMIT):
             while await response.read_chunk(idle):
                 pass
-        whole = True
-    except (UpstreamError, TimeoutError):
-        pass
-    finally:
-        if whole:
-            response.release()
-        else:
-            with contextlib.suppress(Exception):
-                response.discard()
+    except UpstreamError:
+        response.discard()
+        return False
+    except TimeoutError:
+        response.discard()
+        return True
+    response.release()
+    return True

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from sidecar.engine.head import EDGE_MEMBER, TRACESTATE_KEY
+
 RawHeaders = Iterable[tuple[bytes, bytes]]
 
 HOP_BY_HOP = frozenset(
@@ -41,8 +43,6 @@ OWN_RESPONSE = frozenset(
         b"x-retry-dlq-id",
     }
 )
-TRACESTATE_KEY = b"retry-sidecar"
-EDGE_MEMBER = TRACESTATE_KEY + b"=edge"
 
 
 def connection_named(headers: RawHeaders) -> frozenset[bytes]:
@@ -142,22 +142,6 @@ def _split_tracestate(values: list[bytes]) -> list[bytes]:
     return out
 
 
-def with_edge_tracestate(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """Put ``retry-sidecar=edge`` first in tracestate (W3C: the newest member goes left)."""
-    out = []
-    existing: bytes | None = None
-    for k, v in headers:
-        if k == b"tracestate":
-            existing = v
-        else:
-            out.append((k, v))
-    value = EDGE_MEMBER if not existing else EDGE_MEMBER + b"," + existing
-    # W3C allows at most 32 members; drop from the right.
-    members = value.split(b",")[:32]
-    out.append((b"tracestate", b",".join(members)))
-    return out
-
-
 def response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
     """Upstream response headers to copy to the client (as aiohttp wants them: str)."""
     named = connection_named(raw)
@@ -168,11 +152,3 @@ def response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
             continue
         out.append((k.decode("latin-1"), v.decode("latin-1")))
     return out
-
-
-def build_head(method: str, target: str, headers: list[tuple[bytes, bytes]]) -> bytes:
-    """The request line and the shared headers, without the final blank line."""
-    parts = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1")]
-    for k, v in headers:
-        parts.append(k + b": " + v + b"\r\n")
-    return b"".join(parts)

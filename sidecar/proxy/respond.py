@@ -6,7 +6,7 @@ import json
 
 from aiohttp import web
 
-from sidecar.retry.decide import Fate
+from sidecar.core import Fate
 
 # aiohttp's StreamResponse fills in Content-Type, Date and Server when absent. A proxy must not
 # invent headers the upstream did not send, so those defaults are removed again unless set here.

@@ -13,7 +13,7 @@ from typing import Any
 
 import httptools
 
-from sidecar.upstream.errors import AttemptTimeout, UpstreamError, UpstreamReset
+from sidecar.core import AttemptTimeout, UpstreamError, UpstreamReset
 
 HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024

@@ -1,0 +1,114 @@
+"""The shared vocabulary every layer may import: fates, outcome kinds, the breaker's verdicts,
+the clock and the error types. It imports nothing from the project, so no layer has to reach
+"up" (the upstream client into the retry rules, the DLQ into the proxy) to name these.
+See docs/architecture.md for the layering.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum, StrEnum
+
+
+class Fate(StrEnum):
+    """Why a sequence stopped (the ``x-retry-fate`` header)."""
+
+    SUCCESS = "success"
+    EXHAUSTED = "exhausted"
+    NOT_RETRYABLE = "not-retryable"
+    NON_IDEMPOTENT = "non-idempotent"
+    BODY_TOO_LARGE = "body-too-large"
+    BUDGET_EXHAUSTED = "budget-exhausted"
+    BREAKER_OPEN = "breaker-open"
+    KILL_SWITCH = "kill-switch"
+    DEADLINE = "deadline"
+    EDGE_OWNED = "edge-owned"
+    RETRY_AFTER_TOO_LONG = "retry-after-too-long"
+    OVERLOADED = "overloaded"  # bulkhead or connection pool full: the upstream was not asked
+    DRAINING = "draining"  # the sidecar is shutting down and made no further retry
+    CLIENT_GONE = "client-gone"  # the client left; the sequence was cancelled for nobody
+
+
+class OutcomeKind(Enum):
+    RESPONSE = "response"
+    CONNECT_FAILURE = "connect-failure"
+    RESET = "reset"
+    PER_TRY_TIMEOUT = "per-try-timeout"
+
+
+class Verdict(Enum):
+    """The one thing a finished sequence tells its route's circuit breaker."""
+
+    SUCCESS = "success"  # the upstream answered as intended
+    FAILURE = "failure"  # evidence the upstream is failing
+    NEUTRAL = "neutral"  # says nothing about the upstream: it was never reached, the client
+    # left, or the sequence was cut short locally; a half-open probe slot is handed back
+
+
+class Clock:
+    """Monotonic time for deadlines and wall time for Retry-After dates and records."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()
+
+
+class UpstreamError(Exception):
+    """An attempt failed on the wire. Raised by the upstream client, judged by the retry rules."""
+
+    kind: OutcomeKind = OutcomeKind.RESET
+    code: str = "upstream-reset"  # the x-retry-proxy-error value when the sidecar answers
+    status: int = 502
+    reached_upstream: bool = True  # may bytes of the request have reached the upstream?
+
+
+class ConnectFailure(UpstreamError):
+    """No byte of the request left this process: the connection could not be made."""
+
+    kind = OutcomeKind.CONNECT_FAILURE
+    code = "connect-failure"
+    reached_upstream = False
+
+
+class UpstreamReset(UpstreamError):
+    """The connection broke, or the upstream spoke something other than HTTP/1.x."""
+
+    kind = OutcomeKind.RESET
+    code = "upstream-reset"
+
+
+class AttemptTimeout(UpstreamError):
+    """No complete response head within the per-try timeout."""
+
+    kind = OutcomeKind.PER_TRY_TIMEOUT
+    code = "per-try-timeout"
+    status = 504
+
+
+class NoTimeLeft(AttemptTimeout):
+    """The sequence deadline was spent before this attempt could write a byte upstream."""
+
+    code = "deadline"
+    reached_upstream = False
+
+
+class LocalOverload(Exception):
+    """The sidecar itself has no room for the attempt; the upstream was not asked."""
+
+    code = "overloaded"
+    status = 503
+    reached_upstream = False
+
+
+class PoolExhausted(LocalOverload):
+    """Every pooled connection to the upstream stayed busy for the whole pool wait."""
+
+    code = "pool-exhausted"
+
+
+class Overloaded(LocalOverload):
+    """The route's bulkhead stayed full for its whole queue timeout."""
+
+    code = "overloaded"
