@@ -248,6 +248,48 @@ async def test_a_reload_that_enables_the_dlq_opens_it(
     assert {"dlq-redrive", "dlq-prune"} <= set(sc.sidecar.task_names())
 
 
+async def test_shutting_down_while_a_reload_opens_the_dlq_leaves_no_writer(
+    upstream_factory, client, tmp_path
+):
+    """The DLQ is opened in a worker thread; a shutdown that cancels the opening must close
+    whatever that thread opens afterwards (no writer thread, no open file left behind)."""
+    import sqlite3
+    import threading
+
+    from sidecar.app import Sidecar
+    from sidecar.config.parse import parse_text
+    from tests.test_dlq import dlq_yaml
+
+    up = await upstream_factory(reply(503))
+    db = tmp_path / "dlq.sqlite3"
+    cfg = tmp_path / "sidecar.yaml"
+    enabled = dlq_yaml(up.url, db)
+    disabled = enabled.replace("dlq: {enabled: true}", "dlq: {enabled: false}")
+    cfg.write_text(disabled)
+    sc = Sidecar(parse_text(disabled, str(cfg)), config_path=str(cfg))
+    sc.dlq_busy_timeout_ms = 20_000
+    await sc.start()
+    blocker = sqlite3.connect(db, isolation_level=None)  # the file appears after the start
+    blocker.execute("PRAGMA journal_mode=WAL")
+    blocker.execute("BEGIN IMMEDIATE")  # the opening thread waits on this lock
+    try:
+        cfg.write_text(enabled)
+        await sc.reload("test")
+        assert "dlq-open" in sc.task_names()
+        await asyncio.sleep(0.3)  # the thread is now waiting on the lock
+        await sc.stop()
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    for _ in range(100):  # the thread finishes opening; what it opened is closed again
+        if not any(t.name == "dlq-writer" for t in threading.enumerate()):
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)
+    assert not any(t.name == "dlq-writer" for t in threading.enumerate())
+    assert sc.dlq is None
+
+
 async def test_drain_timeout_applies_on_reload(upstream_factory, client, tmp_path):
     """The drain started after a reload uses the reloaded drain_timeout."""
     from sidecar.app import Sidecar
