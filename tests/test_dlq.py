@@ -461,3 +461,21 @@ async def test_unusable_dlq_path_means_unavailable_and_the_proxy_keeps_serving(
         'retry_sidecar_dlq_writes_total{route="main",result="unavailable"} 1'
         in sc.sidecar.metrics.render()
     )
+
+
+async def test_an_id_drawn_twice_in_one_millisecond_refuses_nothing(tmp_path, monkeypatch):
+    """Ids are milliseconds plus 32 random bits; when two records of one group draw the same
+    one, the second draws again -- a UNIQUE violation must not refuse the whole group."""
+    from sidecar.dlq import store as store_mod
+    from sidecar.dlq.record import NewRecord
+
+    drawn = iter(["0001aaaa", "0001aaaa", "0001bbbb", "0001cccc"])
+    monkeypatch.setattr(store_mod, "new_id", lambda now: next(drawn))
+    store = DlqStore(str(tmp_path / "d.sqlite3"), 100, 10**6)
+    store.open()
+    try:
+        rec = NewRecord("r", "PUT", "/x", [], b"b", "exhausted", 1, 503, None, None, 1000.0)
+        ids = await asyncio.gather(store.add(rec), store.add(rec), store.add(rec))
+        assert sorted(ids) == ["0001aaaa", "0001bbbb", "0001cccc"]
+    finally:
+        store.close()

@@ -54,6 +54,12 @@ COLUMNS = (
     "claimed_at, claim_expires_at, parked_reason"
 )
 _NCOLS = COLUMNS.count(",") + 1
+INSERT = (
+    "INSERT INTO records (id, route, status, method, target, headers, body, fate, attempts, "
+    "last_status, last_error, idempotency_key, size, created_at, updated_at, reached_upstream) "
+    "VALUES (?, ?, 'pending', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+ID_TRIES = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,30 +241,32 @@ class DlqStore:
                 raise DlqFull(f"the DLQ holds {self.max_records} records already")
             if self.held_bytes + delta["bytes"] + size > self.max_bytes:
                 raise DlqFull(f"the DLQ holds {self.max_bytes} bytes already")
-            rid = new_id(rec.created_at)
-            conn.execute(
-                "INSERT INTO records (id, route, status, method, target, headers, body, fate, "
-                "attempts, last_status, last_error, idempotency_key, size, created_at, "
-                "updated_at, reached_upstream) "
-                "VALUES (?, ?, 'pending', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    rid,
-                    rec.route,
-                    rec.method,
-                    rec.target,
-                    json.dumps(rec.headers),
-                    rec.body,
-                    rec.fate,
-                    rec.attempts,
-                    rec.last_status,
-                    rec.last_error,
-                    rec.idempotency_key,
-                    size,
-                    rec.created_at,
-                    rec.created_at,
-                    1 if rec.reached_upstream else 0,
-                ),
+            values = (
+                rec.route,
+                rec.method,
+                rec.target,
+                json.dumps(rec.headers),
+                rec.body,
+                rec.fate,
+                rec.attempts,
+                rec.last_status,
+                rec.last_error,
+                rec.idempotency_key,
+                size,
+                rec.created_at,
+                rec.created_at,
+                1 if rec.reached_upstream else 0,
             )
+            for tries_left in range(ID_TRIES - 1, -1, -1):
+                rid = new_id(rec.created_at)
+                try:
+                    conn.execute(INSERT, (rid, *values))
+                    break
+                except sqlite3.IntegrityError:
+                    # The same id in the same millisecond (32 random bits): draw again. Only
+                    # this statement was undone; raising would refuse the whole group.
+                    if tries_left == 0:
+                        raise
             delta["records"] += 1
             delta["bytes"] += size
             _move(delta, None, "pending")
