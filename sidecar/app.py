@@ -13,13 +13,17 @@ from typing import Any
 from aiohttp import web
 
 from sidecar.admin.auth import check_exposure, token_from_env
-from sidecar.admin.killswitch import KillSwitch
+from sidecar.admin.killswitch import KillSwitch, apply_file
+from sidecar.admin.page import PageDeps, page_routes
+from sidecar.admin.rates import RateSampler
 from sidecar.admin.server import AdminDeps, ExtraRoute, build_admin_app
+from sidecar.admin.snapshot import StatusSources
 from sidecar.config.model import Config
 from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader, ReloadResult
 from sidecar.core import Clock
 from sidecar.dlq.admin import dlq_routes
+from sidecar.dlq.figures import DlqFigures
 from sidecar.dlq.redrive import Redrive, prune
 from sidecar.dlq.replay import Replayer
 from sidecar.dlq.store import DlqStore
@@ -89,6 +93,7 @@ class Sidecar:
         self.states = RouteStates(self._on_breaker_transition)
         self.states.sync(config)
         self.kill = KillSwitch()
+        apply_file(self.kill, config, self.clock.monotonic(), self.clock.wall())
         self.life = Lifecycle()
         self.client = UpstreamClient(pool or config.upstream_pool)
         self.tracing = tracing or Tracing(None)
@@ -121,12 +126,28 @@ class Sidecar:
         self._dlq_opening: asyncio.Lock | None = None
         self.dlq_max_page_count: int | None = None  # tests: a real SQLITE_FULL
         self.dlq_busy_timeout_ms = 5000  # tests: a lock held elsewhere fails sooner
+        self._proxy_server: SidecarServer | None = None
         self._proxy_runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self.proxy_port = 0
         self.admin_port = 0
         self._wire_gauges()
+        self.rates = RateSampler(self.metrics, self.clock)  # for the status page
+        self.status = StatusSources(
+            store=self.store,
+            reloader=self.reloader,
+            kill=self.kill,
+            states=self.states,
+            metrics=self.metrics,
+            clock=self.clock,
+            life=self.life,
+            rates=self.rates,
+            stats=self.process_stats,
+            dlq=DlqFigures(lambda: self.dlq),
+            started_mono=self.clock.monotonic(),
+            started_wall=self.clock.wall(),
+        )
 
     # -- state hooks -------------------------------------------------------------------------
 
@@ -190,6 +211,7 @@ class Sidecar:
         first to enable a DLQ route opens the DLQ file (the one the process started with)."""
         self.states.sync(config)
         self.store.swap(config)
+        apply_file(self.kill, config, self.clock.monotonic(), self.clock.wall())
         if self.dlq is not None:
             self.dlq.set_limits(config.dlq.max_records, config.dlq.max_bytes)
         elif (
@@ -286,7 +308,7 @@ class Sidecar:
             # wait runs for nobody (nginx's proxy_ignore_client_abort off).
             handler_cancellation=True,
             on_malformed=self.deps.malformed,
-            auto_decompress=False,  # bodies pass through byte-identical (DESIGN.md section 8)
+            auto_decompress=False,  # bodies pass through byte-identical, gzip stays gzip
             access_log=None,
             keepalive_timeout=config.limits.keepalive_timeout,
         )
@@ -294,9 +316,11 @@ class Sidecar:
         await runner.setup()
         site = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_address=True)
         await site.start()
+        self._proxy_server = server
         self._proxy_runner = runner
         self.proxy_port = int(runner.addresses[0][1])
 
+        page_gets, page_forms = page_routes(PageDeps(self.status, token, lambda: self.replayer))
         admin_app = build_admin_app(
             AdminDeps(
                 store=self.store,
@@ -309,7 +333,8 @@ class Sidecar:
                 token=token,
                 stats=self.process_stats,
             ),
-            self.admin_extra,
+            self.admin_extra + page_gets,
+            page_forms,
         )
         arunner = web.AppRunner(admin_app, access_log=None, shutdown_timeout=1.0)
         await arunner.setup()
@@ -325,6 +350,7 @@ class Sidecar:
         self._admin_runner = arunner
         self.admin_port = int(arunner.addresses[0][1])
 
+        self.spawn("status-rates", self.rates.run())
         if self.reloader is not None:
             self.spawn("config-watch", self.reloader.watch(self.watch_interval))
         self.life.ready = True
@@ -382,6 +408,9 @@ class Sidecar:
             "rss_bytes": rss,
             "open_fds": fds,
             "asyncio_tasks": len(asyncio.all_tasks()),
+            "client_connections": (
+                len(self._proxy_server.connections) if self._proxy_server is not None else None
+            ),
             "background_tasks": self.task_names(),
             "pool": {
                 k: {"total": v.total, "idle": v.idle, "waiting": v.waiting}

@@ -16,7 +16,7 @@ from pathlib import Path as FsPath
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from sidecar.config import units
+from sidecar.config import killswitches, units
 from sidecar.config.errors import ConfigError, ConfigIssue
 from sidecar.config.model import (
     Admin,
@@ -272,6 +272,7 @@ class _Parser:
                 "workers",
                 "defaults",
                 "routes",
+                "killswitches",
             ),
         )
         if "version" not in top:
@@ -357,6 +358,9 @@ class _Parser:
 
         defaults = self.defaults(top.get("defaults"))
         routes = self.routes(top.get("routes"), defaults)
+        switches = killswitches.parse_section(
+            top.get("killswitches"), self.located, {r.name for r in routes}, self.error
+        )
         if self.issues:
             return None
         return Config(
@@ -370,6 +374,7 @@ class _Parser:
             drain_timeout=drain,
             upstream_pool=pool,
             routes=tuple(routes),
+            killswitches=switches,
             source=source,
             sha256=sha,
         )

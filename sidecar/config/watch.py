@@ -48,6 +48,7 @@ RELOAD_RULES: dict[str, str] = {
     "admin.listen": "restart",  # the admin socket is bound at start
     "admin.token_env": "restart",  # the token is read from the environment at start
     "trusted_peers": "live",
+    "killswitches": "live",  # file kill switches are re-applied on every (re)load
     "dlq.path": "restart",  # the open file is not swapped under in-flight writes
     "dlq.max_records": "live",
     "dlq.max_bytes": "live",

@@ -2,7 +2,7 @@
 
 aiohttp has no deadline for reading a request head (a client trickling one header line per
 second stays connected forever) and logs a traceback at ERROR for every malformed request
-(DESIGN.md section 8). This module subclasses its connection handler to:
+(a log flood anyone can cause). This module subclasses its connection handler to:
 
 - cut a request head that is not complete within ``limits.header_timeout`` with 408;
 - answer malformed requests itself: 431 for a request line or header over 8190 bytes or more
@@ -72,7 +72,7 @@ class GuardedRequestHandler(RequestHandler):
             for i in range(before, len(self._messages)):
                 msg, payload = self._messages[i]
                 if isinstance(msg, RawRequestMessage) and msg.version not in _VERSIONS:
-                    # aiohttp accepts e.g. "HTTP/2.0" over HTTP/1.1 framing (DESIGN.md 8):
+                    # aiohttp accepts e.g. "HTTP/2.0" over HTTP/1.1 framing:
                     # refuse it before any handler sees it, answered as HTTP/1.x.
                     err = BadHttpMessage(f"unsupported HTTP version {msg.version}")
                     self._messages[i] = (_ErrInfo(400, err, err.message), payload)
