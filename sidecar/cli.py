@@ -114,6 +114,7 @@ def cmd_dlq(args: argparse.Namespace) -> int:
                 ("status", args.status),
                 ("limit", args.limit),
                 ("order", args.order),
+                ("cursor", args.cursor),
             )
             if v
         }
@@ -142,7 +143,7 @@ def cmd_dlq(args: argparse.Namespace) -> int:
                 f"{r['fate']:<18} replays={r['replays']}  {r['created_at']}  {r['target']}"
             )
         if body.get("next"):
-            print(f"(more: --cursor {body['next']})")
+            print(f"(more: the same command with --cursor {body['next']})")
     else:
         print(_json.dumps(body, indent=2))
     return 0 if 200 <= status < 300 else 1
@@ -269,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("--status", choices=["pending", "delivered", "parked"])
     dl.add_argument("--limit")
     dl.add_argument("--order", choices=["newest", "oldest"])
+    dl.add_argument("--cursor", help="the next page: the value a previous page printed")
     dl.add_argument("--json", action="store_true", help="print the raw JSON")
     ds = dsub.add_parser("show", parents=[common, admin_common], help="one record with its body")
     ds.add_argument("id")

@@ -90,6 +90,9 @@ class RouteDlq:
     max_replays: int = 5
     replay_rate: float = 50.0
     redrive: Redrive = field(default_factory=Redrive)
+    # Lower-case header names never stored with a record (beyond the credentials, which
+    # keep_credentials governs).
+    drop_headers: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from sidecar.dlq.store import DlqError, DlqStore
+from sidecar.dlq.errors import DlqError
+from sidecar.dlq.store import DlqStore
 
 _COUNTS = (
     "SELECT status, route, COUNT(*), MIN(seq) FROM records "

@@ -19,7 +19,7 @@ from multidict import CIMultiDict
 from sidecar.config.model import Config, IpNetwork, Route
 from sidecar.core import Fate, UpstreamError
 from sidecar.dlq.capture import Captured, capture
-from sidecar.dlq.record import WRITE_METHODS
+from sidecar.dlq.record import WRITE_METHODS, KeptBody
 from sidecar.engine.loop import SequenceResult
 from sidecar.engine.sequence import Exchange, Sequence
 from sidecar.proxy import forward
@@ -340,19 +340,19 @@ class ProxyHandler:
             error = str(result.error) if result.error is not None else None
         captured = None
         if route.dlq.enabled and method in WRITE_METHODS:  # skip the coroutine otherwise
-            stored_body = body if isinstance(body, bytes) else None
             captured = await capture(
                 deps.dlq,
                 route,
                 method,
                 target,
                 as_received,
-                stored_body,
+                KeptBody.of(body),
                 fate,
                 attempts,
                 status,
                 error,
                 deps.dlq_write,
+                result,
             )
         if captured is not None and captured.record_id and route.dlq.respond == "accepted":
             resp202 = accepted(captured.record_id, fate, attempts)
