@@ -12,7 +12,7 @@ import sys
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from sidecar import __version__
+from sidecar import __version__, build
 from sidecar.config.errors import ConfigError
 from sidecar.config.model import Config
 from sidecar.config.parse import parse_file
@@ -230,7 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="retry-sidecar", description="An HTTP reverse proxy that does retries right."
     )
-    p.add_argument("--version", action="version", version=f"retry-sidecar {__version__}")
+    p.add_argument(
+        "--version",
+        action="version",
+        version=f"retry-sidecar {__version__} ({build()} build)",
+    )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--config",

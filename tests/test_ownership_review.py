@@ -27,6 +27,7 @@ from opentelemetry.trace import SpanKind
 from sidecar.config.model import BreakerPolicy, UpstreamPool
 from sidecar.core import Verdict
 from sidecar.retry.breaker import Admitted, Breaker, Rejected, State
+from sidecar.retry.budget import Budget
 from sidecar.telemetry.tracing import Tracing
 from sidecar.upstream.connection import Connection
 from sidecar.upstream.pool import Pool
@@ -139,10 +140,11 @@ async def test_an_exception_after_an_upstream_answer_gives_its_connection_back(
     sc = await sidecar_factory(routes_yaml(up.url, "    retry: {attempts: 2}\n"))
     state = sc.sidecar.states.get("main")
 
-    def boom(now: float) -> bool:
-        raise RuntimeError("a bug between the answer and the sequence result")
+    class Exploding(Budget):
+        def try_retry(self, now: float) -> bool:
+            raise RuntimeError("a bug between the answer and the sequence result")
 
-    monkeypatch.setattr(state.budget, "try_retry", boom)
+    monkeypatch.setattr(state, "budget", Exploding(state.budget.policy))
     async with client.get(sc.url + "/x") as r:
         assert r.status == 502  # the handler's internal-error answer
     monkeypatch.undo()

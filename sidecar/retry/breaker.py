@@ -37,7 +37,7 @@ _LEGAL = {
 }
 
 
-class IllegalTransition(RuntimeError):
+class IllegalTransition(Exception):  # not RuntimeError: mypyc compiles this module
     pass
 
 
