@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import time
 from enum import Enum, StrEnum
+from typing import ClassVar
+
+from mypy_extensions import mypyc_attr
 
 
 class Fate(StrEnum):
@@ -46,6 +49,7 @@ class Verdict(Enum):
     # left, or the sequence was cut short locally; a half-open probe slot is handed back
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests subclass it (FakeClock)
 class Clock:
     """Monotonic time for deadlines and wall time for Retry-After dates and records."""
 
@@ -59,10 +63,12 @@ class Clock:
 class UpstreamError(Exception):
     """An attempt failed on the wire. Raised by the upstream client, judged by the retry rules."""
 
-    kind: OutcomeKind = OutcomeKind.RESET
-    code: str = "upstream-reset"  # the x-retry-proxy-error value when the sidecar answers
-    status: int = 502
-    reached_upstream: bool = True  # may bytes of the request have reached the upstream?
+    # Class-level facts of each error type (ClassVar: compiled with mypyc they stay class
+    # attributes, overridden by the subclasses below).
+    kind: ClassVar[OutcomeKind] = OutcomeKind.RESET
+    code: ClassVar[str] = "upstream-reset"  # the x-retry-proxy-error value when the sidecar answers
+    status: ClassVar[int] = 502
+    reached_upstream: ClassVar[bool] = True  # may bytes of the request have reached the upstream?
 
 
 class ConnectFailure(UpstreamError):
@@ -88,6 +94,14 @@ class AttemptTimeout(UpstreamError):
     status = 504
 
 
+class RetryStopped(UpstreamError):
+    """A retry was due but the kill switch was set during its backoff: the sequence ends with
+    the last attempt's failure, whose response was already let go."""
+
+    code = "kill-switch"
+    status = 503
+
+
 class NoTimeLeft(AttemptTimeout):
     """The sequence deadline was spent before this attempt could write a byte upstream."""
 
@@ -98,9 +112,9 @@ class NoTimeLeft(AttemptTimeout):
 class LocalOverload(Exception):
     """The sidecar itself has no room for the attempt; the upstream was not asked."""
 
-    code = "overloaded"
-    status = 503
-    reached_upstream = False
+    code: ClassVar[str] = "overloaded"
+    status: ClassVar[int] = 503
+    reached_upstream: ClassVar[bool] = False
 
 
 class PoolExhausted(LocalOverload):

@@ -138,6 +138,11 @@ def test_storm_control_mistakes_name_line_and_path(snippet, path, fragment):
     assert any(x.startswith(f"c.yaml:5: {path}: ") and fragment in x for x in lines), lines
 
 
+def test_an_open_for_above_the_inherited_maximum_raises_the_maximum():
+    r = parse_text(MINIMAL + "    breaker: {open_for: 60s}\n").routes[0]
+    assert (r.breaker.open_for, r.breaker.max_open_for) == (60.0, 60.0)
+
+
 def test_an_inherited_min_concurrent_is_clamped_to_a_smaller_max():
     r = parse_text(MINIMAL + "    bulkhead: {max_concurrent: 2}\n").routes[0]
     assert (r.bulkhead.min_concurrent, r.bulkhead.max_concurrent) == (2, 2)

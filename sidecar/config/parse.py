@@ -17,7 +17,7 @@ from pathlib import Path as FsPath
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from sidecar.config import units
+from sidecar.config import killswitches, units
 from sidecar.config.errors import ConfigError, ConfigIssue
 from sidecar.config.model import (
     Admin,
@@ -206,14 +206,10 @@ class _Parser:
             ),
             ramp=self.field(raw, "ramp", path, _duration, base.ramp),
         )
-        if result.max_open_for < result.open_for:
-            key = "max_open_for" if "max_open_for" in raw else "open_for"
-            self.error(
-                (*path, key),
-                f"max_open_for ({result.max_open_for:g}s) must be at least open_for "
-                f"({result.open_for:g}s)",
-            )
-        return result
+        if "max_open_for" in raw and result.max_open_for < result.open_for:
+            self.error((*path, "max_open_for"), f"must be at least open_for ({result.open_for:g}s)")
+        # An open_for written above an inherited max_open_for: it does not grow, then.
+        return replace(result, max_open_for=max(result.max_open_for, result.open_for))
 
     def budget(self, value: object, path: Path, base: BudgetPolicy) -> BudgetPolicy:
         raw = self.mapping(value, path, ("ratio", "min_per_second", "window"))
@@ -273,7 +269,15 @@ class _Parser:
         raw = self.mapping(
             value,
             path,
-            ("enabled", "respond", "keep_credentials", "max_replays", "replay_rate", "redrive"),
+            (
+                "enabled",
+                "respond",
+                "keep_credentials",
+                "max_replays",
+                "replay_rate",
+                "redrive",
+                "drop_headers",
+            ),
         )
         redrive = base.redrive
         if "redrive" in raw:
@@ -295,6 +299,7 @@ class _Parser:
             max_replays=self.field(raw, "max_replays", path, _int_range(1, 1000), base.max_replays),
             replay_rate=self.field(raw, "replay_rate", path, _positive_number, base.replay_rate),
             redrive=redrive,
+            drop_headers=self.field(raw, "drop_headers", path, _header_names, base.drop_headers),
         )
 
     def match(self, value: object, path: Path) -> Match:
@@ -343,6 +348,7 @@ class _Parser:
                 "workers",
                 "defaults",
                 "routes",
+                "killswitches",
             ),
         )
         if "version" not in top:
@@ -429,6 +435,9 @@ class _Parser:
 
         defaults = self.defaults(top.get("defaults"))
         routes = self.routes(top.get("routes"), defaults)
+        switches = killswitches.parse_section(
+            top.get("killswitches"), self.located, {r.name for r in routes}, self.error
+        )
         if self.issues:
             return None
         return Config(
@@ -442,6 +451,7 @@ class _Parser:
             drain_timeout=drain,
             upstream_pool=pool,
             routes=tuple(routes),
+            killswitches=switches,
             source=source,
             sha256=sha,
         )
@@ -762,6 +772,20 @@ def _url_path(value: object) -> str:
     return value
 
 
+HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # RFC 9110 token
+
+
+def _header_names(value: object) -> frozenset[str]:
+    if not isinstance(value, list):
+        raise _Invalid(f"expected a list of header names, got {_kind(value)}")
+    names = set()
+    for item in value:
+        if not isinstance(item, str) or not HEADER_NAME.match(item):
+            raise _Invalid(f"{item!r} is not a header name")
+        names.add(item.lower())
+    return frozenset(names)
+
+
 def _regex(value: object) -> re.Pattern[str]:
     if not isinstance(value, str):
         raise _Invalid(f"expected a regular expression string, got {value!r}")
@@ -792,8 +816,10 @@ def _retry_on(value: object) -> RetryOn:
             raise _Invalid(f"unknown retry condition {item!r}")
         if isinstance(item, int) or (isinstance(item, str) and item.isdigit()):
             code = int(item)
-            if not 100 <= code <= 599:
-                raise _Invalid(f"status code out of range: {item!r}")
+            if not 400 <= code <= 599:
+                # A 1xx/2xx/3xx is the upstream answering: "retrying" it would resend a
+                # request that was already handled (a write done twice).
+                raise _Invalid(f"only 4xx and 5xx statuses can be retried, not {item!r}")
             statuses.add(code)
         elif item == "5xx":
             statuses.update(range(500, 600))
@@ -838,6 +864,11 @@ def parse_file(path: str) -> Config:
         raise ConfigError(
             path, [ConfigIssue(0, "<file>", f"cannot read: {exc.strerror}")]
         ) from None
+    return parse_bytes(raw, path)
+
+
+def parse_bytes(raw: bytes, path: str) -> Config:
+    """The file's bytes as read once: the version (sha256) is of exactly these bytes."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -8,11 +8,8 @@ Two shapes of sequence:
 
 - one attempt at a time (most): each attempt runs in the caller's task, no timer;
 - hedged (an idempotent request with a buffered body, ``per_try_timeout: auto`` and hedging on):
-  attempts are tasks owned by an ``AttemptSet``. When the newest attempt has run for the
-  per-try timeout without an answer, another starts beside it (if the hedging budget, the
-  throttle and the concurrency limit allow), preferably to another endpoint; the first usable
-  answer wins and the scope cancels the others. A retryable failure while another attempt is
-  still running just waits for that one; when none is left, ``decide`` chooses as usual.
+  attempts race as tasks (``engine/hedging.py``); this driver decides for them: when to hedge,
+  where to, whether a failure is retried.
 """
 
 from __future__ import annotations
@@ -30,6 +27,7 @@ from sidecar.core import (
     LocalOverload,
     NoTimeLeft,
     OutcomeKind,
+    RetryStopped,
     UpstreamError,
 )
 from sidecar.engine.attempts import Attempted, AttemptSet
@@ -87,6 +85,9 @@ class SequenceResult:
     error: UpstreamError | LocalOverload | None = None
     hedges: int = 0
     outcome: Outcome | None = None  # of the attempt whose answer stands
+    # An earlier attempt reached the upstream and failed (what the breaker judges when this
+    # last attempt was refused locally and never reached it).
+    failed_before: bool = False
 
     @property
     def response_status(self) -> int | None:
@@ -103,13 +104,15 @@ def outcome_of(response: UpstreamResponse, refused_below: Fate | None = None) ->
     )
 
 
-def _result(fate: Fate, number: int, a: Attempted | None, hedges: int) -> SequenceResult:
+def _result(
+    fate: Fate, number: int, a: Attempted | None, hedges: int, failed_before: bool
+) -> SequenceResult:
     if a is None:
-        return SequenceResult(fate, number, None, None, hedges)
-    return SequenceResult(fate, number, a.response, a.error, hedges, a.outcome)
+        return SequenceResult(fate, number, None, None, hedges, None, failed_before)
+    return SequenceResult(fate, number, a.response, a.error, hedges, a.outcome, failed_before)
 
 
-class _Driver:
+class Driver:
     """The state of one sequence's decisions (kept out of the coroutine's locals so the two
     shapes share it)."""
 
@@ -119,6 +122,7 @@ class _Driver:
         "clock",
         "deadline",
         "events",
+        "failed_before",
         "gate",
         "hedges",
         "number",
@@ -153,6 +157,28 @@ class _Driver:
         self.hedges = 0
         self.previous_delay: float | None = None
         self.used: list[Endpoint] = []
+        self.failed_before = False  # an attempt that reached the upstream has failed
+
+    def result(self, fate: Fate, a: Attempted | None) -> SequenceResult:
+        return _result(fate, self.number, a, self.hedges, self.failed_before)
+
+    def judged(self, a: Attempted) -> Decision:
+        """``judge``, owning ``a``'s response until it returns: an exception on the way
+        (a bug, a cancellation) lets it go instead of leaking its connection."""
+        try:
+            return self.judge(a)
+        except BaseException:
+            a.discard()
+            raise
+
+    def note_failure(self, a: Attempted) -> None:
+        """Remember that an attempt reached the upstream and failed (for the verdict of a
+        sequence whose last attempt is then refused locally)."""
+        if a.error is not None and not isinstance(a.error, LocalOverload):
+            if a.error.reached_upstream or a.error.kind is OutcomeKind.CONNECT_FAILURE:
+                self.failed_before = True
+        elif a.response is not None and is_retryable(self.policy, a.outcome):
+            self.failed_before = True
 
     def timeout(self) -> float:
         left = self.deadline.remaining(self.clock.monotonic())
@@ -192,25 +218,33 @@ class _Driver:
             fate = Fate.DEADLINE
         return Stop(fate)
 
-    async def backoff(self, a: Attempted, retry: Retry) -> bool:
-        """Sleep before the next attempt; False when the deadline went meanwhile."""
+    async def backoff(self, a: Attempted, retry: Retry) -> SequenceResult | None:
+        """Sleep before the next attempt; a result when the sequence ends instead (the
+        deadline went meanwhile, or the kill switch was set during the wait)."""
         a.discard()
         self.events.retry_scheduled(
             RetryScheduled(self.route.name, self.number + 1, retry.delay, retry.from_retry_after)
         )
         self.previous_delay = retry.delay
         await self.gate.sleep(retry.delay)
-        return self.deadline.remaining(self.clock.monotonic()) > 0
+        if not self.c.killed and self.gate.killed():
+            # The kill switch was set during the backoff: the scheduled retry is not sent.
+            stopped = a.error or RetryStopped(
+                f"upstream answered {a.outcome.label}; the retry was stopped by the kill switch"
+            )
+            return SequenceResult(
+                Fate.KILL_SWITCH, self.number, None, stopped, self.hedges, a.outcome, True
+            )
+        if self.deadline.remaining(self.clock.monotonic()) <= 0:
+            return self.spent()
+        return None
 
     def spent(self) -> SequenceResult:
         # No byte is written upstream once the deadline is spent (a long bulkhead wait, or
         # a backoff that decide() allowed ending exactly at the deadline).
+        spent = NoTimeLeft("the sequence deadline is spent")
         return SequenceResult(
-            Fate.DEADLINE,
-            self.number,
-            None,
-            NoTimeLeft("the sequence deadline is spent"),
-            self.hedges,
+            Fate.DEADLINE, self.number, None, spent, self.hedges, None, self.failed_before
         )
 
     async def one_at_a_time(self) -> SequenceResult:
@@ -224,70 +258,23 @@ class _Driver:
             if isinstance(a.error, LocalOverload):
                 # No room in the sidecar (concurrency limit, pool): the upstream was not
                 # asked, so this is not retried here and not counted as its failure.
-                return _result(Fate.OVERLOADED, self.number, a, self.hedges)
-            d = self.judge(a)
+                return self.result(Fate.OVERLOADED, a)
+            d = self.judged(a)
             if isinstance(d, Stop):
-                return _result(d.fate, self.number, a, self.hedges)
-            if not await self.backoff(a, d):
-                return self.spent()
+                return self.result(d.fate, a)
+            self.note_failure(a)
+            ended = await self.backoff(a, d)
+            if ended is not None:
+                return ended
 
-    async def hedged(self, after: float) -> SequenceResult:
-        last: Attempted | None = None  # a failure kept as the answer if nothing better comes
-        async with AttemptSet() as running:
-            self._start(running, hedge=False)
-            started = self.clock.monotonic()
-            hedge_at = started + after
-            refused = False  # a hedge of the newest attempt was refused (reported once)
-            while True:
-                wait: float | None = None
-                if self.number < self.policy.attempts:
-                    wait = max(0.0, hedge_at - self.clock.monotonic())
-                a = await running.next(wait)
-                if a is None:
-                    now = self.clock.monotonic()
-                    if self._maybe_hedge(running, report=not refused):
-                        hedge_at = now + after
-                        refused = False
-                    else:
-                        # Refused: ask again later, backing off (the wait so far doubles),
-                        # not every ``after`` for as long as the attempt runs.
-                        hedge_at = now + max(after, now - started)
-                        refused = True
-                    continue
-                if isinstance(a.error, LocalOverload):
-                    if running.active:
-                        continue  # a hedge found no room after all; the others go on
-                    if last is not None:
-                        last.discard()
-                    return _result(Fate.OVERLOADED, self.number, a, self.hedges)
-                if self._failed(a) and running.active and not self.deadline.expired(a.ended):
-                    if last is not None:
-                        last.discard()
-                    last = a  # the others are this sequence's retries: wait for them
-                    continue
-                if last is not None and last is not a:
-                    last.discard()
-                    last = None
-                d = self.judge(a)
-                if isinstance(d, Stop):
-                    if a.hedge and d.fate is Fate.SUCCESS:
-                        self.events.hedged(HedgeEvent(self.route.name, "won"))
-                    return _result(d.fate, self.number, a, self.hedges)
-                if not await self.backoff(a, d):
-                    return self.spent()
-                self._start(running, hedge=False)
-                started = self.clock.monotonic()
-                hedge_at = started + after
-                refused = False
-
-    def _failed(self, a: Attempted) -> bool:
+    def failed(self, a: Attempted) -> bool:
         return (
             a.response is None
             or a.outcome.refused_below is not None
             or is_retryable(self.policy, a.outcome)
         )
 
-    def _start(self, running: AttemptSet, hedge: bool) -> None:
+    def start(self, running: AttemptSet, hedge: bool) -> None:
         self.number += 1
         number = self.number
         # Prefer endpoints this sequence has not used: the failed one, the one being hedged.
@@ -301,7 +288,7 @@ class _Driver:
 
         running.start(run, f"attempt-{self.route.name}-{number}")
 
-    def _maybe_hedge(self, running: AttemptSet, report: bool) -> bool:
+    def maybe_hedge(self, running: AttemptSet, report: bool) -> bool:
         """Start a hedge if it may go; False when it was refused (an event the first time
         for this attempt: it is asked again later, with backoff)."""
         if self.number >= self.policy.attempts:
@@ -319,7 +306,7 @@ class _Driver:
             return False
         self.hedges += 1
         self.events.hedged(HedgeEvent(self.route.name, "sent"))
-        self._start(running, hedge=True)
+        self.start(running, hedge=True)
         return True
 
 
@@ -333,8 +320,11 @@ async def run_sequence(
     events: EventSink,
     gate: RetryGate,
 ) -> SequenceResult:
-    driver = _Driver(route, attempter, deadline, constraints, clock, rng, events, gate)
+    driver = Driver(route, attempter, deadline, constraints, clock, rng, events, gate)
     after = attempter.hedge_after()
     if after is None or not math.isfinite(after) or route.retry.attempts < 2:
         return await driver.one_at_a_time()
-    return await driver.hedged(after)
+    # Interpreted on purpose (see engine/hedging.py): concurrent attempts under cancellation.
+    from sidecar.engine.hedging import hedged
+
+    return await hedged(driver, after)

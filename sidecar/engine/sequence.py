@@ -36,8 +36,8 @@ from sidecar.core import Fate, LocalOverload, NoTimeLeft, UpstreamError, Verdict
 from sidecar.engine.attempter import RouteAttempter
 from sidecar.engine.deps import EngineDeps
 from sidecar.engine.gate import SequenceGate
+from sidecar.engine.head import build_head, with_edge_tracestate
 from sidecar.engine.loop import SequenceResult, run_sequence
-from sidecar.proxy import forward
 from sidecar.retry.breaker import Admitted
 from sidecar.retry.classify import IDEMPOTENT_METHODS, may_resend, verdict
 from sidecar.retry.deadline import Deadline
@@ -73,6 +73,7 @@ class Sequence:
         "_exits",
         "_killed",
         "_name",
+        "_period",
         "_probe",
         "_state",
         "_verdict",
@@ -87,6 +88,7 @@ class Sequence:
         self._state = deps.states.get(ex.route.name)
         self._exits = AsyncExitStack()
         self._probe: bool | None = None  # None: not admitted by the breaker (nothing to record)
+        self._period = 0
         self._verdict: Verdict | None = None  # an override set while relaying the body
         self._killed = False
         self.result: SequenceResult | None = None  # None when the breaker refused
@@ -112,6 +114,7 @@ class Sequence:
                 self.refused_for = admission.retry_after
                 return self
             self._probe = admission.probe
+            self._period = admission.period
         try:
             self._state.budget.record_request(now)
             self._state.hedge_budget.record_request(now)
@@ -138,14 +141,13 @@ class Sequence:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc_type is not None:
-            # The client went away, or a local error: says nothing about the upstream.
-            await self._close(Verdict.NEUTRAL)
-            return
         result = self.result
         if result is None:
             await self._close(None)
             return
+        # The sequence ended before the exit: its result is the verdict even when the client
+        # left (or a local error happened) while the answer was relayed. Only a sequence the
+        # client abandoned before it ended is neutral (``__aenter__`` records that).
         v = self._verdict
         if v is None:
             now = self._deps.clock.monotonic()
@@ -153,6 +155,7 @@ class Sequence:
                 self._ex.route.retry,
                 result.response_status,
                 result.error,
+                result.failed_before,
                 result.fate,
                 self._state.throttle.down(now),
             )
@@ -168,7 +171,11 @@ class Sequence:
             if self._probe is not None:
                 clock = self._deps.clock
                 self._state.breaker.record(
-                    clock.monotonic(), v or Verdict.NEUTRAL, self._probe, clock.wall()
+                    clock.monotonic(),
+                    v or Verdict.NEUTRAL,
+                    self._probe,
+                    clock.wall(),
+                    self._period,
                 )
                 self._probe = None
 
@@ -180,8 +187,8 @@ class Sequence:
         # A trusted incoming marker is passed on unchanged; otherwise this sidecar is the edge.
         edge_value = ex.edge if ex.edge is not None and ex.edge != b"tracestate" else self._name
         shared.append((b"x-retry-edge", edge_value))
-        shared = forward.with_edge_tracestate(shared)
-        head_base = forward.build_head(ex.method, ex.target, shared)
+        shared = with_edge_tracestate(shared)
+        head_base = build_head(ex.method, ex.target, shared)
         head_only = ex.method == "HEAD"
         client = deps.client
         tracing = deps.tracing

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from sidecar.engine.head import EDGE_MEMBER, TRACESTATE_KEY
+
 RawHeaders = Iterable[tuple[bytes, bytes]]
 
 HOP_BY_HOP = frozenset(
@@ -28,6 +30,10 @@ HOP_BY_HOP = frozenset(
 REFRAMED = frozenset({b"content-length", b"expect"})
 # The sidecar's own request headers: read only from trusted peers, always re-set.
 OWN_REQUEST = frozenset({b"x-retry-attempt", b"x-retry-edge", b"x-request-timeout-ms"})
+# Set only by this sidecar's own DLQ replays (which do not pass through here), so that an
+# upstream can believe it: never passed on from any client, trusted peers included (an outer
+# sidecar's replay marker names a record in that sidecar's DLQ, not in this one's).
+REPLAY_MARKER = b"x-retry-replay"
 OWN_RESPONSE = frozenset(
     {
         b"x-retry-attempts",
@@ -37,8 +43,6 @@ OWN_RESPONSE = frozenset(
         b"x-retry-dlq-id",
     }
 )
-TRACESTATE_KEY = b"retry-sidecar"
-EDGE_MEMBER = TRACESTATE_KEY + b"=edge"
 
 
 def connection_named(headers: RawHeaders) -> frozenset[bytes]:
@@ -86,6 +90,8 @@ def request_headers(
                     edge = v
                 elif lk == b"x-request-timeout-ms":
                     timeout = v
+            continue
+        if lk == REPLAY_MARKER:
             continue
         if lk == b"tracestate":
             tracestate.append(v)
@@ -136,22 +142,6 @@ def _split_tracestate(values: list[bytes]) -> list[bytes]:
     return out
 
 
-def with_edge_tracestate(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """Put ``retry-sidecar=edge`` first in tracestate (W3C: the newest member goes left)."""
-    out = []
-    existing: bytes | None = None
-    for k, v in headers:
-        if k == b"tracestate":
-            existing = v
-        else:
-            out.append((k, v))
-    value = EDGE_MEMBER if not existing else EDGE_MEMBER + b"," + existing
-    # W3C allows at most 32 members; drop from the right.
-    members = value.split(b",")[:32]
-    out.append((b"tracestate", b",".join(members)))
-    return out
-
-
 def response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
     """Upstream response headers to copy to the client (as aiohttp wants them: str)."""
     named = connection_named(raw)
@@ -162,11 +152,3 @@ def response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
             continue
         out.append((k.decode("latin-1"), v.decode("latin-1")))
     return out
-
-
-def build_head(method: str, target: str, headers: list[tuple[bytes, bytes]]) -> bytes:
-    """The request line and the shared headers, without the final blank line."""
-    parts = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1")]
-    for k, v in headers:
-        parts.append(k + b": " + v + b"\r\n")
-    return b"".join(parts)

@@ -43,7 +43,7 @@ class ProxyFullResponse(_ExactHeaders, web.Response):
 def proxy_error(
     status: int, code: str, message: str, fate: Fate | str, attempts: int
 ) -> web.Response:
-    """A response made by the sidecar itself (DESIGN.md section 4)."""
+    """A response made by the sidecar itself: a JSON body, ``x-retry-proxy-error``, the fate."""
     fate_s = fate.value if isinstance(fate, Fate) else fate
     body = json.dumps({"error": message, "fate": fate_s, "attempts": attempts}).encode()
     return web.Response(

@@ -49,13 +49,14 @@ _LEGAL = {
 MAX_DOUBLINGS = 32
 
 
-class IllegalTransition(RuntimeError):
+class IllegalTransition(Exception):  # not RuntimeError: mypyc compiles this module
     pass
 
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
     probe: bool  # admitted by the half-open ramp: its verdict is judged by the ramp
+    period: int = 0  # which half-open period admitted the probe (only that one hears it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +65,8 @@ class Rejected:
 
 
 Admission = Admitted | Rejected
-# Shared answers for the common cases: admit() runs once per request.
+# The shared answer for the common case: admit() runs once per request.
 _ADMIT = Admitted(probe=False)
-_PROBE = Admitted(probe=True)
 OnTransition = Callable[[State, State], None]
 
 
@@ -83,6 +83,7 @@ class Breaker:
         self._credit = 0.0
         self._judged = 0
         self._failed = 0
+        self._period = 0  # counts half-open periods: a probe only has a say in its own
         self._on_transition = on_transition
 
     def update_policy(self, policy: BreakerPolicy) -> None:
@@ -98,7 +99,7 @@ class Breaker:
                 self._go(State.HALF_OPEN, self._half_open_at)
             self._go(State.CLOSED, self._half_open_at)
 
-    def _period(self) -> float:
+    def _next_open_period(self) -> float:
         p = self.policy
         return min(p.max_open_for, p.open_for * 2.0 ** min(self._reopens, MAX_DOUBLINGS))
 
@@ -110,9 +111,10 @@ class Breaker:
         if to is State.OPEN:
             self.opened_at = now
             self.opened_at_wall = wall
-            self.open_period = self._period()
+            self.open_period = self._next_open_period()
             self._reopens += 1
         elif to is State.HALF_OPEN:
+            self._period += 1
             self._half_open_at = now
             self._credit = 1.0  # the first sequence after the open period is admitted
             self._judged = 0
@@ -149,13 +151,24 @@ class Breaker:
         self._credit += self.share(now)
         if self._credit >= 1.0:
             self._credit -= 1.0
-            return _PROBE
+            return Admitted(probe=True, period=self._period)
         # Not this one: the ramp admits the next share of traffic.
         return Rejected(max(0.0, self._half_open_at + self.policy.ramp - now))
 
-    def record(self, now: float, verdict: Verdict, probe: bool, wall: float | None = None) -> None:
-        """The one verdict of one finished sequence. A NEUTRAL verdict counts nowhere."""
+    def record(
+        self,
+        now: float,
+        verdict: Verdict,
+        probe: bool,
+        wall: float | None = None,
+        period: int | None = None,
+    ) -> None:
+        """The one verdict of one finished sequence. A NEUTRAL verdict counts nowhere; a probe
+        admitted in an earlier half-open period (``period``, from its ``Admitted``) has no say
+        in this one."""
         if verdict is Verdict.NEUTRAL or not self.policy.enabled:
+            return
+        if probe and period is not None and period != self._period:
             return
         failed = verdict is Verdict.FAILURE
         if self.state is State.HALF_OPEN:

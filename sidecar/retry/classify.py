@@ -17,19 +17,10 @@ REFUSED_BELOW = {
     "overloaded": Fate.OVERLOADED,
     "pool-exhausted": Fate.OVERLOADED,
 }
-# Fates of a sequence cut short by a local limit, not by the upstream's answers: no evidence
-# that the upstream is down (a half-open probe that ends so is not judged).
-CUT_SHORT = frozenset(
-    {
-        Fate.BUDGET_EXHAUSTED,
-        Fate.THROTTLED,
-        Fate.KILL_SWITCH,
-        Fate.DRAINING,
-        Fate.OVERLOADED,
-        Fate.CLIENT_GONE,
-        Fate.BREAKER_OPEN,
-    }
-)
+# Fates of a sequence whose wanted retry a limit of this sidecar refused although the upstream
+# was reachable: the retry might have succeeded, so the failure so far is no evidence that the
+# upstream is down -- unless it accepts almost nothing (``down``).
+CUT_SHORT = frozenset({Fate.BUDGET_EXHAUSTED, Fate.THROTTLED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,35 +98,38 @@ def verdict(
     policy: RetryPolicy,
     final_status: int | None,
     error: UpstreamError | LocalOverload | None,
+    failed_before: bool = False,
     fate: Fate | None = None,
     down: bool = False,
 ) -> Verdict:
-    """What a finished sequence tells its breaker (one verdict per sequence).
+    """What a finished sequence tells its breaker (one verdict per sequence): the breaker is
+    for "down", so only a sequence that ran its policy to its end is evidence.
 
-    Only a sequence that ran its policy to the end is evidence. Neutral when the upstream was
-    never asked (the sidecar had no room, or the deadline was spent before a byte was
-    written), when a local limit cut the sequence short (budget, throttle, kill switch, drain:
-    a retry that might have succeeded was not made, which says nothing about the upstream
-    being down), or when a sidecar further down refused it. A half-open probe that ends so
-    does not decide the breaker's state either way. A connect failure is a failure: nothing
-    was sent, but the upstream could not be reached.
+    - Neutral when a limit of this sidecar cut it short (``CUT_SHORT``: budget, throttle): a
+      retry that might have succeeded was not made, which says nothing about the upstream being
+      down. ``down`` (the upstream accepted almost none of the route's recent attempts, see
+      ``throttle.DOWN_ACCEPT_RATIO``) makes it a failure after all: in a full outage the
+      throttle refuses every retry, and a breaker that ignored those sequences would never see
+      the outage.
+    - Neutral when a sidecar further down refused it (breaker open, no room there): that tier
+      has judged its upstream already.
+    - Neutral when the upstream was never asked (the sidecar had no room, or the deadline was
+      spent before a byte was written); when the LAST attempt was refused so but an earlier one
+      reached the upstream and failed (``failed_before``), that earlier failure is the verdict.
+    - A connect failure is a failure: nothing was sent, but the upstream could not be reached.
 
-    ``down``: the route's upstream has accepted almost none of its recent attempts (see
-    ``throttle.DOWN_ACCEPT_RATIO``). A failed sequence whose retries the throttle or the
-    budget refused is then evidence after all -- in a full outage the throttle refuses nearly
-    every retry, and a breaker that ignored those sequences would never see the outage.
+    A half-open probe that ends neutral does not decide the breaker's state either way.
     """
     if fate in CUT_SHORT:
-        if down and fate in (Fate.BUDGET_EXHAUSTED, Fate.THROTTLED):
-            return Verdict.FAILURE
+        return Verdict.FAILURE if down else Verdict.NEUTRAL
+    if fate is Fate.BREAKER_OPEN:
         return Verdict.NEUTRAL
-    if isinstance(error, LocalOverload):
-        return Verdict.NEUTRAL
-    if (
+    local = isinstance(error, LocalOverload) or (
         isinstance(error, UpstreamError)
         and not error.reached_upstream
         and error.kind is not OutcomeKind.CONNECT_FAILURE
-    ):
-        return Verdict.NEUTRAL
+    )
+    if local:
+        return Verdict.FAILURE if failed_before else Verdict.NEUTRAL
     failed = sequence_failed(policy, final_status, error is not None)
     return Verdict.FAILURE if failed else Verdict.SUCCESS

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from sidecar.core import ConnectFailure, UpstreamError, UpstreamReset
+from sidecar.core import ConnectFailure, NoTimeLeft, UpstreamError, UpstreamReset
 from sidecar.upstream.connection import Connection
 from sidecar.upstream.pool import Pool, PoolSettings, PoolStats
 
@@ -125,6 +125,10 @@ class UpstreamClient:
         loop = asyncio.get_running_loop()
         started = loop.time()
         conn = await pool.acquire(timeout)
+        if loop.time() - started >= timeout:
+            # The wait for a connection used the attempt's time up: write nothing upstream.
+            pool.release(conn)
+            raise NoTimeLeft("no time left to send the request")
         try:
             conn.begin(head_only)
             if body is None or isinstance(body, bytes):
