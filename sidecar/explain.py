@@ -37,7 +37,7 @@ def _storm_lines(route: Route) -> list[str]:
             f"  adaptive throttle: retries and hedges refused with p = (attempts - {t.k:g} x "
             f"accepted) / (attempts + 1) over {format_duration(t.window)} (from "
             f"{t.min_requests} attempts): none while >= {100 / t.k:.0f}% are accepted, "
-            f"{max(0.0, 1 - t.k * 0.4):.0%} at 60% failing, nearly all in an outage; "
+            f"{max(0.0, 1 - t.k * 0.4):.0%} at 60% failing, all once 5% or fewer are; "
             f"first attempts are never throttled"
         )
     else:

@@ -178,3 +178,34 @@ def test_explain_cli_prints_each_route():
     assert "route orders" in res.stdout and "route default" in res.stdout
     assert "worst-case attempts per request:  4" in res.stdout
     assert "x64.00" in res.stdout  # 4 attempts naive over 3 tiers
+
+
+def test_explain_shows_every_storm_control_mechanism_and_its_off_switch():
+    from sidecar.explain import explain_route
+
+    on = "\n".join(explain_route(route_of("{attempts: 3}")))
+    for fragment in (
+        "per-try auto (2 x p95 of recent attempts, 50ms..10s; never abandoned)",
+        "at 100 req/s at most 0.60 retries per request on average (attempts 3 alone would "
+        "allow 2, as nginx's 3 tries do)",
+        "adaptive throttle: retries and hedges refused with p = (attempts - 2 x accepted)",
+        "20% at 60% failing",
+        "hedging: an idempotent request unanswered after the per-try timeout is raced",
+        "breaker: opens when >= 0.95 of >= 20 sequences in 10s",
+        "open 1s, doubled on each reopen up to 30s; half-open ramps traffic back over 1s",
+        "concurrency: adaptive, 5..1000 upstream attempts in flight",
+        "endpoints: h:1",
+        "kill switch: one attempt through the same path, none of the above",
+    ):
+        assert fragment in on, fragment
+    c = parse_text(
+        "version: 1\nroutes:\n  - name: r\n    upstream: [http://a:1, http://b:2]\n"
+        "    retry: {per_try_timeout: 2s}\n    throttle: {enabled: false}\n"
+        "    breaker: {enabled: false}\n    bulkhead: {adaptive: false}\n"
+    )
+    off = "\n".join(explain_route(c.routes[0]))
+    assert "per-try 2s (an attempt is abandoned then)" in off
+    assert "adaptive throttle: off" in off and "breaker: off" in off
+    assert "hedging: needs per_try_timeout: auto" in off
+    assert "concurrency: fixed bulkhead of 1000 sequences" in off
+    assert "endpoints: a:1, b:2" in off

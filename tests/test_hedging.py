@@ -27,6 +27,12 @@ async def until(cond: Callable[[], bool], limit: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+def armed(sc) -> None:
+    """As if an attempt of the route had just run past its per-try timeout: hedging is
+    prepared only for routes with a recent tail (see test_the_first_slow_attempt_arms_hedging)."""
+    sc.sidecar.states.get("main").latency.ran_long(time.monotonic())
+
+
 def pools_idle(sc) -> bool:
     return all(p.total == p.idle and p.waiting == 0 for p in sc.sidecar.client.stats().values())
 
@@ -40,6 +46,7 @@ async def test_a_slow_attempt_is_hedged_and_the_loser_cancelled(
 ):
     up = await upstream_factory(hang(5.0), reply(200, b"fast"))
     sc = await sidecar_factory(routes_yaml(up.url, FAST_AUTO))
+    armed(sc)
     async with client.get(sc.url + "/x") as resp:
         assert resp.status == 200 and await resp.read() == b"fast"
         assert resp.headers["x-retry-attempts"] == "2"
@@ -59,6 +66,7 @@ async def test_a_slow_attempt_is_hedged_and_the_loser_cancelled(
 async def test_client_leaving_mid_hedge_gives_everything_back(upstream_factory, sidecar_factory):
     up = await upstream_factory(hang(30.0))
     sc = await sidecar_factory(routes_yaml(up.url, FAST_AUTO))
+    armed(sc)
     st = sc.sidecar.states.get("main")
     baseline_tasks = len(asyncio.all_tasks())
     _reader, writer = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
@@ -83,6 +91,7 @@ async def test_client_leaving_mid_hedge_gives_everything_back(upstream_factory, 
 async def test_the_deadline_cancels_every_hedge(upstream_factory, sidecar_factory, client):
     up = await upstream_factory(hang(30.0))
     sc = await sidecar_factory(routes_yaml(up.url, "    timeout: 500ms\n" + FAST_AUTO))
+    armed(sc)
     async with client.get(sc.url + "/x") as resp:
         assert resp.status == 504
         assert resp.headers["x-retry-fate"] == "deadline"
@@ -99,6 +108,7 @@ async def test_writes_are_not_hedged(upstream_factory, sidecar_factory, client):
             "    retry: {non_idempotent: always, auto_timeout: {min: 50ms, max: 100ms}}",
         )
     )
+    armed(sc)
     async with client.post(sc.url + "/x", data=b"order", headers={"Idempotency-Key": "k"}) as r:
         assert r.status == 200 and "x-retry-hedges" not in r.headers
         assert r.headers["x-retry-attempts"] == "1"
@@ -108,6 +118,7 @@ async def test_writes_are_not_hedged(upstream_factory, sidecar_factory, client):
 async def test_hedging_can_be_switched_off(upstream_factory, sidecar_factory, client):
     up = await upstream_factory(hang(0.4), reply(200))
     sc = await sidecar_factory(routes_yaml(up.url, FAST_AUTO + "\n    hedge: {enabled: false}"))
+    armed(sc)
     async with client.get(sc.url + "/x") as r:
         assert r.status == 200 and r.headers["x-retry-attempts"] == "1"
     assert len(up.seen) == 1
@@ -133,6 +144,7 @@ async def test_a_hedge_goes_to_the_other_endpoint(upstream_factory, sidecar_fact
     slow = await upstream_factory(hang(5.0))
     fast = await upstream_factory(reply(200, b"B"))
     sc = await sidecar_factory(two_upstreams_yaml(slow.url, fast.url, FAST_AUTO))
+    armed(sc)
     async with client.get(sc.url + "/x") as resp:  # round robin starts at the first
         assert await resp.read() == b"B" and resp.headers["x-retry-hedges"] == "1"
     assert [s.header("x-retry-attempt") for s in slow.seen] == ["1"]
@@ -147,6 +159,7 @@ async def test_a_retry_goes_to_another_endpoint(upstream_factory, sidecar_factor
     sc = await sidecar_factory(
         two_upstreams_yaml(bad.url, good.url, "    throttle: {enabled: false}")
     )
+    armed(sc)
     for _ in range(10):
         async with client.get(sc.url + "/x") as resp:
             assert resp.status == 200
@@ -162,6 +175,7 @@ async def test_an_endpoint_that_refuses_connections_is_ejected(
     good = await upstream_factory(reply(200))
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     sc = await sidecar_factory(two_upstreams_yaml(closed, good.url))
+    armed(sc)
     fates = []
     for _ in range(20):
         async with client.get(sc.url + "/x") as resp:
@@ -235,3 +249,14 @@ async def test_a_host_name_is_every_address_it_resolves_to(client):
         await sidecar.stop()
         for r in runners:
             await r.cleanup()
+
+
+async def test_the_first_slow_attempt_arms_hedging(upstream_factory, sidecar_factory, client):
+    # A route whose attempts never ran long runs each attempt inline (no task to pay for); the
+    # first one that runs past the per-try timeout is not hedged, and arms it for the next.
+    up = await upstream_factory(hang(0.3), hang(5.0), reply(200, b"fast"))
+    sc = await sidecar_factory(routes_yaml(up.url, FAST_AUTO))
+    async with client.get(sc.url + "/x") as resp:
+        assert resp.status == 200 and "x-retry-hedges" not in resp.headers
+    async with client.get(sc.url + "/x") as resp:
+        assert await resp.read() == b"fast" and resp.headers["x-retry-hedges"] == "1"

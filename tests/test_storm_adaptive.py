@@ -98,6 +98,7 @@ async def test_the_kill_switch_turns_every_adaptive_mechanism_off(
     )
     st = sc.sidecar.states.get("main")
     now = time.monotonic()
+    st.latency.ran_long(now)  # hedging armed
     # An open breaker and a concurrency limit with no room left...
     for _i in range(30):
         st.breaker.record(now, Verdict.FAILURE, probe=False)

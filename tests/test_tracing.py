@@ -78,3 +78,33 @@ async def test_tracing_off_by_default_passes_traceparent_through(
     async with client.get(sc.url + "/x", headers={"traceparent": INCOMING}) as resp:
         assert resp.status == 200
     assert up.seen[0].header("traceparent") == INCOMING
+
+
+async def test_a_hedge_and_the_adaptive_timeout_are_in_the_spans(
+    upstream_factory, sidecar_factory, client
+):
+    from tests.conftest import hang
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    up = await upstream_factory(hang(5.0), reply(200))
+    sc = await sidecar_factory(
+        routes_yaml(up.url, "    retry: {auto_timeout: {min: 50ms, max: 100ms}}"),
+        tracing=Tracing(provider),
+    )
+    import time
+
+    sc.sidecar.states.get("main").latency.ran_long(time.monotonic())  # hedging armed
+    async with client.get(sc.url + "/hedged") as resp:
+        assert resp.status == 200 and resp.headers["x-retry-hedges"] == "1"
+    spans = exporter.get_finished_spans()
+    [srv] = [s for s in spans if s.kind is SpanKind.SERVER]
+    assert srv.attributes is not None
+    assert srv.attributes["retry_sidecar.hedges"] == 1
+    assert srv.attributes["retry_sidecar.per_try_timeout"] == 0.1  # auto, cold: its maximum
+    attempts = [s for s in spans if s.kind is SpanKind.CLIENT]
+    hedges = [a for a in attempts if a.attributes and a.attributes.get("retry_sidecar.hedge")]
+    assert len(attempts) == 2 and len(hedges) == 1
+    assert hedges[0].attributes is not None
+    assert hedges[0].attributes["server.address"] == f"127.0.0.1:{up.port}"

@@ -38,7 +38,16 @@ _LINK_FAILURES = (OutcomeKind.CONNECT_FAILURE, OutcomeKind.RESET, OutcomeKind.PE
 
 
 class RouteAttempter:
-    __slots__ = ("_clock", "_events", "_hedgeable", "_limit", "_route", "_send", "_state")
+    __slots__ = (
+        "_clock",
+        "_events",
+        "_hedgeable",
+        "_hedgeable_route",
+        "_limit",
+        "_route",
+        "_send",
+        "_state",
+    )
 
     def __init__(
         self,
@@ -56,15 +65,24 @@ class RouteAttempter:
         self._clock = clock
         self._events = events
         self._hedgeable = hedgeable
+        # Whether this route hedges at all: its attempts then tell the latency estimate when
+        # they run long (any of its attempts, so that a first slow one arms hedging).
+        self._hedgeable_route = route.hedge.enabled and route.retry.per_try_timeout is None
         self._limit = adaptive and route.bulkhead.adaptive
+
+    def _auto(self, now: float) -> float:
+        a = self._route.retry.auto_timeout
+        return self._state.latency.timeout(now, a.percentile, a.multiplier, a.min, a.max)
 
     def hedge_after(self) -> float | None:
         if not self._hedgeable:
             return None
-        a = self._route.retry.auto_timeout
-        return self._state.latency.timeout(
-            self._clock.monotonic(), a.percentile, a.multiplier, a.min, a.max
-        )
+        now = self._clock.monotonic()
+        if not self._state.latency.tail_seen(now):
+            # No attempt of this route ran past the timeout lately: run this one inline. The
+            # first slow one is then not hedged, and arms hedging for the next ones.
+            return None
+        return self._auto(now)
 
     def has_room(self) -> bool:
         lim = self._state.limiter
@@ -126,8 +144,16 @@ class RouteAttempter:
             self._events.attempt_ended(AttemptEnded(name, number, outcome.label, latency, None))
             return Attempted(number, endpoint, hedge, start, end, outcome, response, None)
         finally:
+            now = clock.monotonic()
             if ticket is not None:
-                st.limiter.release(clock.monotonic(), ticket, latency)
+                st.limiter.release(now, ticket, latency)
+            took = now - start
+            if (
+                self._hedgeable_route
+                and took >= self._route.retry.auto_timeout.min
+                and took >= self._auto(now)
+            ):
+                st.latency.ran_long(now)
             if not finished:
                 # Cancelled: a hedge that lost, the deadline, or the client went away.
                 self._events.attempt_ended(

@@ -16,10 +16,10 @@ raised from ``next``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sidecar.core import LocalOverload, UpstreamError
 from sidecar.retry.classify import Outcome
@@ -47,7 +47,7 @@ class Attempted:
             self.response.discard()
 
 
-AttemptFn = Callable[[], Awaitable[Attempted]]
+AttemptFn = Callable[[], Coroutine[Any, Any, Attempted]]
 
 
 class AttemptSet:
@@ -66,8 +66,7 @@ class AttemptSet:
     def start(self, fn: AttemptFn, name: str) -> None:
         if self._closed:
             raise RuntimeError("the attempt set is closed")
-        task = asyncio.ensure_future(fn())
-        task.set_name(name)
+        task: asyncio.Task[Attempted] = asyncio.get_running_loop().create_task(fn(), name=name)
         task.add_done_callback(self._on_done)
         self._running.add(task)
 
@@ -85,15 +84,37 @@ class AttemptSet:
         if not self._done:
             if not self._running:
                 return None
-            done, _ = await asyncio.wait(
-                self._running, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
+            await self._first_done(timeout)
+            done = [t for t in self._running if t.done()]
             if not done:
                 return None
-            self._running -= done
+            self._running.difference_update(done)
             self._done.extend(done)
         task = self._done.pop(0)
         return task.result()  # raises what escaped the attempt (a bug or a local error)
+
+    async def _first_done(self, timeout: float | None) -> None:
+        """Wait until one running attempt is done or ``timeout`` passes (what
+        ``asyncio.wait(FIRST_COMPLETED)`` does, without its per-call set and checks: this runs
+        for every hedgeable request)."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+
+        def wake(_: object = None) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        running = list(self._running)
+        for t in running:
+            t.add_done_callback(wake)
+        handle = loop.call_later(timeout, wake) if timeout is not None else None
+        try:
+            await waiter
+        finally:
+            if handle is not None:
+                handle.cancel()
+            for t in running:
+                t.remove_done_callback(wake)
 
     async def __aenter__(self) -> AttemptSet:
         return self

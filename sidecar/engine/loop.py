@@ -15,9 +15,9 @@ Two shapes of sequence:
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from sidecar.config.model import Route
 from sidecar.core import (
@@ -74,7 +74,7 @@ class Attempter(Protocol):
 
     def attempt(
         self, number: int, hedge: bool, endpoint: Endpoint, timeout: float
-    ) -> Awaitable[Attempted]: ...
+    ) -> Coroutine[Any, Any, Attempted]: ...
 
 
 @dataclass(slots=True)
@@ -283,7 +283,7 @@ class Driver:
         timeout = self.timeout()
         attempter = self.attempter
 
-        def run() -> Awaitable[Attempted]:
+        def run() -> Coroutine[Any, Any, Attempted]:
             return attempter.attempt(number, hedge, endpoint, timeout)
 
         running.start(run, f"attempt-{self.route.name}-{number}")

@@ -39,7 +39,7 @@ from sidecar.engine.gate import SequenceGate
 from sidecar.engine.head import build_head, with_edge_tracestate
 from sidecar.engine.loop import SequenceResult, run_sequence
 from sidecar.retry.breaker import Admitted
-from sidecar.retry.classify import IDEMPOTENT_METHODS, may_resend, verdict
+from sidecar.retry.classify import CUT_SHORT, IDEMPOTENT_METHODS, may_resend, verdict
 from sidecar.retry.deadline import Deadline
 from sidecar.retry.decide import Constraints
 from sidecar.retry.endpoints import Endpoint
@@ -150,14 +150,17 @@ class Sequence:
         # client abandoned before it ended is neutral (``__aenter__`` records that).
         v = self._verdict
         if v is None:
-            now = self._deps.clock.monotonic()
+            # "down" matters only for a sequence the budget or the throttle cut short.
+            down = result.fate in CUT_SHORT and self._state.throttle.down(
+                self._deps.clock.monotonic()
+            )
             v = verdict(
                 self._ex.route.retry,
                 result.response_status,
                 result.error,
                 result.failed_before,
                 result.fate,
-                self._state.throttle.down(now),
+                down,
             )
         await self._close(v)
 
@@ -249,6 +252,11 @@ class Sequence:
         result = await run_sequence(
             route, attempter, deadline, constraints, clock, deps.rng, deps.events, gate
         )
-        if span is not None and result.hedges:
-            span.set_attribute("retry_sidecar.hedges", result.hedges)
+        if span is not None:
+            per_try = route.retry.per_try_timeout
+            auto = attempter.hedge_after() if per_try is None else None
+            if per_try is not None or auto is not None:
+                span.set_attribute("retry_sidecar.per_try_timeout", per_try or auto or 0.0)
+            if result.hedges:
+                span.set_attribute("retry_sidecar.hedges", result.hedges)
         return result

@@ -87,7 +87,7 @@ class AttemptLatency:
     attempt latencies of the last ``span`` seconds, clamped to [min, max]; recomputed at most
     every ``refresh`` seconds (a percentile costs a pass over the buckets)."""
 
-    __slots__ = ("_at", "_key", "_value", "refresh", "window")
+    __slots__ = ("_at", "_key", "_value", "refresh", "slow_at", "window")
 
     def __init__(self, span: float = 10.0, refresh: float = 0.1) -> None:
         self.window = LatencyWindow(span)
@@ -95,9 +95,21 @@ class AttemptLatency:
         self._at = -math.inf
         self._key: tuple[float, float, float, float] | None = None
         self._value = 0.0
+        self.slow_at = -math.inf  # when an attempt last ran past the per-try timeout
 
     def observe(self, now: float, seconds: float) -> None:
         self.window.add(now, seconds)
+
+    def ran_long(self, now: float) -> None:
+        """An attempt ran past the per-try timeout in force (answered late, or was still
+        running when it was cancelled)."""
+        self.slow_at = now
+
+    def tail_seen(self, now: float) -> bool:
+        """Has an attempt of this route run past the per-try timeout within the window? Only
+        then is a request prepared for hedging (its attempts run as tasks, which costs every
+        request a little): an upstream with no tail is never hedged anyway."""
+        return now - self.slow_at <= self.window.span
 
     def timeout(
         self, now: float, percentile: float, multiplier: float, lo: float, hi: float
