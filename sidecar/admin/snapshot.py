@@ -166,7 +166,7 @@ async def take(src: StatusSources, window: str = DEFAULT_WINDOW) -> Status:
         b = st.breaker
         next_probe = None
         if b.state is State.OPEN and b.opened_at is not None:
-            next_probe = max(0.0, b.opened_at + b.policy.open_for - now)
+            next_probe = max(0.0, b.opened_at + b.open_period - now)  # doubles on reopens
         seqs, fails = b.counts(now)
         d = per_route_dlq.get(r.name, {})
         routes.append(
