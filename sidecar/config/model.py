@@ -127,6 +127,9 @@ class Route:
     budget: BudgetPolicy
     bulkhead: BulkheadPolicy
     dlq: RouteDlq
+    # The longest silence between two reads of a response body being relayed (after the head,
+    # which per_try_timeout bounds); nginx's proxy_read_timeout, 60 s.
+    stream_idle_timeout: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -364,7 +364,9 @@ class _Parser:
     def defaults(self, value: object) -> dict[str, Any]:
         path: Path = ("defaults",)
         raw = self.mapping(
-            value, path, ("timeout", "retry", "breaker", "budget", "bulkhead", "dlq")
+            value,
+            path,
+            ("timeout", "stream_idle_timeout", "retry", "breaker", "budget", "bulkhead", "dlq"),
         )
         return self.route_sections(raw, path, _DEFAULT_SECTIONS)
 
@@ -373,6 +375,9 @@ class _Parser:
     ) -> dict[str, Any]:
         out = dict(base)
         out["timeout"] = self.field(raw, "timeout", path, _positive_duration, base["timeout"])
+        out["stream_idle_timeout"] = self.field(
+            raw, "stream_idle_timeout", path, _positive_duration, base["stream_idle_timeout"]
+        )
         if "retry" in raw:
             out["retry"] = self.retry(raw["retry"], (*path, "retry"), base["retry"])
         if "breaker" in raw:
@@ -406,6 +411,7 @@ class _Parser:
                     "match",
                     "upstream",
                     "timeout",
+                    "stream_idle_timeout",
                     "retry",
                     "breaker",
                     "budget",
@@ -441,6 +447,7 @@ class _Parser:
                     match=match,
                     upstream=upstream,
                     timeout=sections["timeout"],
+                    stream_idle_timeout=sections["stream_idle_timeout"],
                     retry=sections["retry"],
                     breaker=sections["breaker"],
                     budget=sections["budget"],
@@ -453,6 +460,8 @@ class _Parser:
 
 _DEFAULT_SECTIONS: dict[str, Any] = {
     "timeout": 10.0,
+    # nginx's proxy_read_timeout: the longest silence between two reads of a response body.
+    "stream_idle_timeout": 60.0,
     "retry": RetryPolicy(),
     "breaker": BreakerPolicy(),
     "budget": BudgetPolicy(),

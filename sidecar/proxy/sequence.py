@@ -68,6 +68,8 @@ async def execute(deps: ProxyDeps, sidecar_name: bytes, ex: Exchange) -> Execute
     upstream_name = route.upstream.authority
 
     def time_left() -> float:
+        # Called once a streamed body has been sent: the deadline starts from there.
+        deadline.restart(clock.monotonic())
         return deadline.remaining(clock.monotonic())
 
     async def send(attempt: int, timeout: float) -> UpstreamResponse:

@@ -13,6 +13,9 @@ class OutcomeKind(Enum):
     CONNECT_FAILURE = "connect-failure"
     RESET = "reset"
     PER_TRY_TIMEOUT = "per-try-timeout"
+    # An answer that is not valid HTTP to relay (bad status, transfer coding, head size): a
+    # property of the response, never retried.
+    BAD_RESPONSE = "bad-response"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +47,8 @@ def is_retryable(policy: RetryPolicy, outcome: Outcome) -> bool:
         return on.connect_failure
     if kind is OutcomeKind.RESET:
         return on.reset
+    if kind is OutcomeKind.BAD_RESPONSE:
+        return False
     return on.per_try_timeout
 
 

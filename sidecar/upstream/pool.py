@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from sidecar.config.model import UpstreamPool
 from sidecar.upstream.connection import Connection
-from sidecar.upstream.errors import ConnectFailure, PoolExhausted
+from sidecar.upstream.errors import ConnectFailure, PoolExhausted, connect_error_type
 
 # The pool's settings are the config's ``upstream_pool`` section itself.
 PoolSettings = UpstreamPool
@@ -87,9 +87,13 @@ class Pool:
                     lambda: Connection(self._loop, (self.host, self.port)), self.host, self.port
                 )
         except TimeoutError:
-            raise ConnectFailure(f"connect to {self.host}:{self.port} timed out") from None
+            raise ConnectFailure(
+                f"connect to {self.host}:{self.port} timed out", "connection_timeout"
+            ) from None
         except (OSError, socket.gaierror) as exc:
-            raise ConnectFailure(f"connect to {self.host}:{self.port} failed: {exc}") from None
+            raise ConnectFailure(
+                f"connect to {self.host}:{self.port} failed: {exc}", connect_error_type(exc)
+            ) from None
         return conn
 
     def release(self, conn: Connection) -> None:
