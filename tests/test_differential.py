@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import urllib.parse
 from collections.abc import Iterator
+
 import pytest
 
 from tests import difftools as d
