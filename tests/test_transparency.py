@@ -410,3 +410,29 @@ async def test_data_pipelined_after_connection_close_is_ignored(upstream_factory
     )
     assert out.startswith(b"HTTP/1.1 200")
     assert up.seen[-1].body == b"abc"
+
+
+async def test_a_client_leaving_mid_upload_leaves_no_task_or_connection(
+    upstream_factory, sidecar_factory
+):
+    """The streamed send races the client's body against the upstream's answer with two
+    tasks; a client that leaves half-way must leave neither behind."""
+    up = await upstream_factory()
+    sc = await sidecar_factory(
+        routes_yaml(up.url, "    retry: {max_body_bytes: 16}"),
+    )
+    baseline = len(asyncio.all_tasks())
+    for _ in range(3):
+        r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+        w.write(b"PUT /up HTTP/1.1\r\nHost: a\r\nContent-Length: 100000\r\n\r\n" + b"z" * 30000)
+        await w.drain()
+        await asyncio.sleep(0.2)  # the upload is streaming upstream now
+        w.transport.abort()  # the client leaves half-way
+    for _ in range(50):
+        await asyncio.sleep(0.05)
+        stats = list(sc.sidecar.client.stats().values())
+        if len(asyncio.all_tasks()) <= baseline and all(s.total == s.idle for s in stats):
+            break
+    assert len(asyncio.all_tasks()) <= baseline, asyncio.all_tasks()
+    for stats in sc.sidecar.client.stats().values():
+        assert stats.total == stats.idle
