@@ -423,7 +423,7 @@ async def test_a_client_leaving_mid_upload_leaves_no_task_or_connection(
     )
     baseline = len(asyncio.all_tasks())
     for _ in range(3):
-        r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+        _r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
         w.write(b"PUT /up HTTP/1.1\r\nHost: a\r\nContent-Length: 100000\r\n\r\n" + b"z" * 30000)
         await w.drain()
         await asyncio.sleep(0.2)  # the upload is streaming upstream now
