@@ -34,6 +34,7 @@ def fuzz_config(data: bytes) -> list[str]:
 
 def fuzz_head(data: bytes) -> list[tuple[bytes, bytes]]:
     """The pure part of request-head handling: header rules and routing on arbitrary bytes."""
+    from sidecar.engine import head
     from sidecar.proxy import forward
     from sidecar.proxy.routing import find_route
 
@@ -49,8 +50,8 @@ def fuzz_head(data: bytes) -> list[tuple[bytes, bytes]]:
     )
     for k, _ in out:
         assert k.lower() not in forward.HOP_BY_HOP
-    forward.with_edge_tracestate(out)
-    forward.build_head("GET", target, out)
+    head.with_edge_tracestate(out)
+    head.build_head("GET", target, out)
     forward.response_headers(headers)
     hmap = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
     find_route(_routes(), "GET", target.split("?", 1)[0], hmap.get)

@@ -18,16 +18,16 @@ from sidecar.admin.server import AdminDeps, ExtraRoute, build_admin_app
 from sidecar.config.model import Config
 from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader, ReloadResult
+from sidecar.core import Clock
 from sidecar.dlq.admin import dlq_routes, no_dlq_routes
 from sidecar.dlq.replay import Replayer
 from sidecar.dlq.store import DlqStore
+from sidecar.engine.routestate import RouteStates
 from sidecar.lifecycle import Lifecycle
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.handler import ProxyHandler
 from sidecar.proxy.server import SidecarServer
 from sidecar.retry.breaker import GAUGE, State
-from sidecar.retry.loop import Clock
-from sidecar.retry.routestate import RouteStates
 from sidecar.telemetry.events import BreakerTransitioned, EventSink, Fanout
 from sidecar.telemetry.logs import RequestLog
 from sidecar.telemetry.metrics import Labels, Metrics
@@ -211,6 +211,10 @@ class Sidecar:
         server = SidecarServer(
             ProxyHandler(self.deps),
             header_timeout=lambda: self.store.current.limits.header_timeout,
+            send_timeout=lambda: self.store.current.limits.send_timeout,
+            # A client that goes away cancels its handler: no attempt, backoff or Retry-After
+            # wait runs for nobody (nginx's proxy_ignore_client_abort off).
+            handler_cancellation=True,
             on_malformed=self.deps.malformed,
             auto_decompress=False,  # bodies pass through byte-identical (DESIGN.md section 8)
             access_log=None,

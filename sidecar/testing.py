@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sidecar.retry.loop import Clock
+from sidecar.core import Clock
 
 
 class FakeClock(Clock):

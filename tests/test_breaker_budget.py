@@ -4,6 +4,7 @@ import pytest
 
 from sidecar.admin.killswitch import KillSwitch
 from sidecar.config.model import BreakerPolicy, BudgetPolicy
+from sidecar.core import Verdict
 from sidecar.retry.breaker import Admitted, Breaker, IllegalTransition, Rejected, State
 from sidecar.retry.budget import Budget
 from sidecar.retry.window import Window
@@ -17,16 +18,16 @@ def test_opens_on_failure_ratio_only_after_min_sequences():
     b = Breaker(POLICY)
     for t in range(3):
         assert b.admit(t) == Admitted(False)
-        b.record(t, success=False, probe=False)
+        b.record(t, Verdict.FAILURE, probe=False)
     assert b.state is State.CLOSED  # 3 < min_sequences
-    b.record(3.0, success=False, probe=False)
+    b.record(3.0, Verdict.FAILURE, probe=False)
     assert b.state is State.OPEN and b.opened_at == 3.0
 
 
 def test_ratio_below_threshold_stays_closed():
     b = Breaker(POLICY)
     for i in range(10):
-        b.record(float(i) / 10, success=(i % 4 != 0), probe=False)
+        b.record(float(i) / 10, Verdict.SUCCESS if i % 4 != 0 else Verdict.FAILURE, probe=False)
     assert b.state is State.CLOSED
     assert b.counts(1.0) == (10, 3)
 
@@ -34,9 +35,9 @@ def test_ratio_below_threshold_stays_closed():
 def test_old_sequences_leave_the_window():
     b = Breaker(POLICY)
     for i in range(3):
-        b.record(float(i), success=False, probe=False)
+        b.record(float(i), Verdict.FAILURE, probe=False)
     # 20 s later the three failures are out of the 10 s window.
-    b.record(25.0, success=False, probe=False)
+    b.record(25.0, Verdict.FAILURE, probe=False)
     assert b.state is State.CLOSED
     assert b.counts(25.0) == (1, 1)
 
@@ -44,7 +45,7 @@ def test_old_sequences_leave_the_window():
 def open_breaker() -> Breaker:
     b = Breaker(POLICY)
     for i in range(4):
-        b.record(float(i), success=False, probe=False)
+        b.record(float(i), Verdict.FAILURE, probe=False)
     assert b.state is State.OPEN
     return b
 
@@ -63,9 +64,9 @@ def test_half_open_lets_n_probes_through_then_closes_on_their_success():
     assert b.state is State.HALF_OPEN
     assert b.admit(33.1) == Admitted(True)
     assert isinstance(b.admit(33.2), Rejected)  # both probe slots taken
-    b.record(33.5, success=True, probe=True)
+    b.record(33.5, Verdict.SUCCESS, probe=True)
     assert b.state is State.HALF_OPEN
-    b.record(33.6, success=True, probe=True)
+    b.record(33.6, Verdict.SUCCESS, probe=True)
     assert b.state is State.CLOSED
     assert seen == [(State.OPEN, State.HALF_OPEN), (State.HALF_OPEN, State.CLOSED)]
     assert b.counts(34.0) == (0, 0)
@@ -74,16 +75,16 @@ def test_half_open_lets_n_probes_through_then_closes_on_their_success():
 def test_half_open_reopens_on_a_failed_probe():
     b = open_breaker()
     b.admit(40.0)
-    b.record(40.5, success=False, probe=True)
+    b.record(40.5, Verdict.FAILURE, probe=True)
     assert b.state is State.OPEN and b.opened_at == 40.5
 
 
 def test_sequences_admitted_before_opening_have_no_say_afterwards():
     b = open_breaker()
-    b.record(5.0, success=True, probe=False)
+    b.record(5.0, Verdict.SUCCESS, probe=False)
     assert b.state is State.OPEN
     b.admit(40.0)
-    b.record(40.1, success=True, probe=False)
+    b.record(40.1, Verdict.SUCCESS, probe=False)
     assert b.state is State.HALF_OPEN
 
 

@@ -8,9 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.config.model import Backoff, RetryAfter, RetryOn, RetryPolicy
-from sidecar.retry.classify import Outcome, OutcomeKind, may_resend
+from sidecar.core import Fate, OutcomeKind
+from sidecar.retry.classify import Outcome, may_resend
 from sidecar.retry.deadline import Deadline, parse_timeout_ms
-from sidecar.retry.decide import Constraints, Fate, Retry, Stop, decide
+from sidecar.retry.decide import Constraints, Retry, Stop, decide
 from sidecar.testing import FakeClock, FixedRng
 
 POLICY = RetryPolicy(attempts=3, backoff=Backoff("exponential", base=0.1, max=1.0))

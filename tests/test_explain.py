@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from sidecar.config.parse import parse_text
-from sidecar.retry.classify import Outcome, OutcomeKind
+from sidecar.core import AttemptTimeout, OutcomeKind
+from sidecar.engine.loop import run_sequence
+from sidecar.retry.classify import Outcome
 from sidecar.retry.deadline import Deadline
 from sidecar.retry.decide import Constraints
-from sidecar.retry.loop import run_sequence
 from sidecar.retry.worstcase import _Highest, budget_multiplier, simulate, stacked, worst_case
 from sidecar.telemetry.events import Recorder
 from sidecar.testing import FakeClock
-from sidecar.upstream.errors import AttemptTimeout
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from sidecar.config.model import Match
 from sidecar.config.parse import parse_text
+from sidecar.engine import head
 from sidecar.proxy import forward
 from sidecar.proxy.routing import find_route, matches
 
@@ -77,9 +78,9 @@ def test_response_headers_drop_hop_by_hop_and_connection_named(raw):
 @settings(max_examples=200)
 @given(HEADERS)
 def test_edge_tracestate_is_first_and_unique(raw):
-    out = forward.with_edge_tracestate(raw)
+    out = head.with_edge_tracestate(raw)
     ts = [v for k, v in out if k == b"tracestate"]
-    assert len(ts) == 1 and ts[0].startswith(forward.EDGE_MEMBER)
+    assert len(ts) == 1 and ts[0].startswith(head.EDGE_MEMBER)
     assert len(ts[0].split(b",")) <= 32
 
 

@@ -21,9 +21,9 @@ from sidecar.config import units
 from sidecar.config.model import Route
 from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader
+from sidecar.core import Clock
+from sidecar.engine.routestate import RouteStates
 from sidecar.lifecycle import Lifecycle
-from sidecar.retry.loop import Clock
-from sidecar.retry.routestate import RouteStates
 from sidecar.telemetry.metrics import Metrics
 
 log = logging.getLogger("sidecar.admin")

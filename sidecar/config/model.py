@@ -164,6 +164,9 @@ class Limits:
     # aiohttp's own is an hour). Each idle connection costs ~10 KB here.
     keepalive_timeout: float = 75.0
     max_request_body: int = 1024 * 1024
+    # A client that takes no response bytes for this long is cut, and everything its request
+    # held (bulkhead slot, upstream connection, buffers) is given back (nginx's send_timeout).
+    send_timeout: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -299,6 +299,7 @@ class _Parser:
                 "body_idle_timeout",
                 "keepalive_timeout",
                 "max_request_body",
+                "send_timeout",
             ),
         )
         d = Limits()
@@ -317,6 +318,9 @@ class _Parser:
             ),
             keepalive_timeout=self.field(
                 lraw, "keepalive_timeout", ("limits",), _positive_duration, d.keepalive_timeout
+            ),
+            send_timeout=self.field(
+                lraw, "send_timeout", ("limits",), _positive_duration, d.send_timeout
             ),
         )
         drain = self.field(top, "drain_timeout", (), _duration, 20.0)
@@ -674,8 +678,10 @@ def _retry_on(value: object) -> RetryOn:
             raise _Invalid(f"unknown retry condition {item!r}")
         if isinstance(item, int) or (isinstance(item, str) and item.isdigit()):
             code = int(item)
-            if not 100 <= code <= 599:
-                raise _Invalid(f"status code out of range: {item!r}")
+            if not 400 <= code <= 599:
+                # A 1xx/2xx/3xx is the upstream answering: "retrying" it would resend a
+                # request that was already handled (a write done twice).
+                raise _Invalid(f"only 4xx and 5xx statuses can be retried, not {item!r}")
             statuses.add(code)
         elif item == "5xx":
             statuses.update(range(500, 600))

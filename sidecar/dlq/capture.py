@@ -7,9 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sidecar.config.model import Route
+from sidecar.core import Fate
 from sidecar.dlq.record import WRITE_METHODS, NewRecord, storable_headers, transient_failure
 from sidecar.dlq.store import DlqError, DlqStore
-from sidecar.retry.decide import Fate
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sidecar.retry.decide import Fate
+from sidecar.core import Fate
 
 WRITE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 CREDENTIALS = frozenset({b"authorization", b"cookie", b"proxy-authorization"})

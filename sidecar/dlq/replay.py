@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from sidecar.config.model import Config
+from sidecar.core import UpstreamError
 from sidecar.dlq.store import DlqStore
-from sidecar.proxy.deps import ProxyDeps
-from sidecar.proxy.sequence import Exchange, execute
+from sidecar.engine.deps import EngineDeps
+from sidecar.engine.sequence import Exchange, Sequence
 from sidecar.retry.breaker import State
 from sidecar.retry.deadline import Deadline
+from sidecar.upstream.client import UpstreamResponse
 
 log = logging.getLogger("sidecar.dlq")
 
@@ -62,7 +64,7 @@ class Replayer:
     def __init__(
         self,
         store: DlqStore,
-        deps: ProxyDeps,
+        deps: EngineDeps,
         config: Callable[[], Config],
     ) -> None:
         self.store = store
@@ -115,19 +117,20 @@ class Replayer:
             deadline=Deadline.start(clock.monotonic(), route.timeout),
             idempotency_key=rec["idempotency_key"] is not None,
         )
-        executed = await execute(self.deps, config.name.encode(), ex)
-        result = executed.result
         http_status: int | None = None
         error: str | None = None
-        if result is None:
-            fate, attempts, error = "breaker-open", 0, "breaker open"
-        else:
-            fate, attempts = result.fate.value, result.attempts
-            if result.response is not None:
-                http_status = result.response.status
-                await _drain(result.response, route.retry.per_try_timeout)
-            elif result.error is not None:
-                error = str(result.error)
+        async with Sequence(self.deps, config.name.encode(), ex) as seq:
+            result = seq.result
+            if result is None:
+                fate, attempts, error = "breaker-open", 0, "breaker open"
+            else:
+                fate, attempts = result.fate.value, result.attempts
+                if result.response is not None:
+                    http_status = result.response.status
+                    if not await _drain(result.response, route.retry.per_try_timeout):
+                        seq.body_failed()
+                elif result.error is not None:
+                    error = str(result.error)
         replays = int(rec["replays"]) + (1 if attempts > 0 else 0)
         if http_status is not None and http_status < 400:
             status = "delivered"
@@ -206,10 +209,13 @@ class Replayer:
                 log.warning("DLQ prune failed: %s", exc)
 
 
-async def _drain(response: Any, idle: float) -> None:
+async def _drain(response: UpstreamResponse, idle: float) -> bool:
+    """Read the replayed response to its end; False if the upstream broke mid-body."""
     try:
         while await response.read_chunk(idle):
             pass
-        response.release()
-    except Exception:
+    except UpstreamError:
         response.discard()
+        return False
+    response.release()
+    return True

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from sidecar.engine.head import EDGE_MEMBER, TRACESTATE_KEY
+
 RawHeaders = Iterable[tuple[bytes, bytes]]
 
 HOP_BY_HOP = frozenset(
@@ -40,8 +42,6 @@ OWN_RESPONSE = frozenset(
 # Never removed because ``Connection`` names them: without Host an HTTP/1.1 request is
 # invalid (RFC 9112 section 3.2), and Content-Length frames the relayed body.
 PROTECTED = frozenset({b"host", b"content-length"})
-TRACESTATE_KEY = b"retry-sidecar"
-EDGE_MEMBER = TRACESTATE_KEY + b"=edge"
 
 
 def connection_named(headers: RawHeaders) -> frozenset[bytes]:
@@ -152,22 +152,6 @@ def _split_tracestate(values: list[bytes]) -> list[bytes]:
     return out
 
 
-def with_edge_tracestate(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """Put ``retry-sidecar=edge`` first in tracestate (W3C: the newest member goes left)."""
-    out = []
-    existing: bytes | None = None
-    for k, v in headers:
-        if k == b"tracestate":
-            existing = v
-        else:
-            out.append((k, v))
-    value = EDGE_MEMBER if not existing else EDGE_MEMBER + b"," + existing
-    # W3C allows at most 32 members; drop from the right.
-    members = value.split(b",")[:32]
-    out.append((b"tracestate", b",".join(members)))
-    return out
-
-
 def response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """Upstream response headers to copy to the client, as the bytes that came (obs-text
     included: nginx and Envoy copy bytes, they do not re-encode)."""
@@ -204,11 +188,3 @@ def valid_host(value: bytes) -> bool:
     if not rest:
         return True
     return (rest.startswith(b":") and rest[1:].isdigit()) or rest == b":"
-
-
-def build_head(method: str, target: str, headers: list[tuple[bytes, bytes]]) -> bytes:
-    """The request line and the shared headers, without the final blank line."""
-    parts = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1")]
-    for k, v in headers:
-        parts.append(k + b": " + v + b"\r\n")
-    return b"".join(parts)

@@ -11,15 +11,17 @@ import ipaddress
 import json
 import logging
 import math
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from aiohttp import web
+from aiohttp import ClientPayloadError, web
 from aiohttp.http import HttpVersion11
 
 from sidecar.config.model import Config, IpNetwork, Route
+from sidecar.core import Fate, UpstreamError
 from sidecar.dlq.capture import Captured, capture
 from sidecar.dlq.record import WRITE_METHODS
+from sidecar.engine.loop import SequenceResult
+from sidecar.engine.sequence import Exchange, Sequence
 from sidecar.proxy import forward
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.respond import (
@@ -29,16 +31,12 @@ from sidecar.proxy.respond import (
     interim_head,
     proxy_error,
 )
-from sidecar.proxy.routing import Refused, find_route, request_target
-from sidecar.proxy.sequence import Exchange, execute
+from sidecar.proxy.routing import Refused, find_route, origin_form, request_target
 from sidecar.proxy.server import GuardedRequestHandler
 from sidecar.retry.deadline import Deadline, parse_timeout_ms
-from sidecar.retry.decide import Fate
-from sidecar.retry.loop import SequenceResult
 from sidecar.telemetry.events import SequenceEnded
 from sidecar.telemetry.logs import RateLimit
 from sidecar.upstream.client import Body, UpstreamResponse
-from sidecar.upstream.errors import UpstreamError
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -76,7 +74,9 @@ def is_trusted(peer: str, networks: tuple[IpNetwork, ...]) -> bool:
     if hit is not None:
         return hit
     try:
-        addr = ipaddress.ip_address(peer)
+        addr: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(peer)
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped  # a dual-stack listener sees IPv4 peers as ::ffff:a.b.c.d
         trusted = any(addr in net for net in networks)
     except ValueError:
         trusted = False
@@ -94,6 +94,11 @@ class BodyStalled(Exception):
     pass
 
 
+class ClientGone(Exception):
+    """The client's connection broke while its request body was read (an aborted upload).
+    Not an upstream failure: it must never count as one."""
+
+
 async def _read(request: web.BaseRequest, n: int, idle: float) -> bytes:
     """One read of the client's body, bounded by the body idle timeout."""
     try:
@@ -101,6 +106,8 @@ async def _read(request: web.BaseRequest, n: int, idle: float) -> bytes:
             return await request.content.read(n)
     except TimeoutError:
         raise BodyStalled(f"the request body stalled for {idle:g}s") from None
+    except (ConnectionError, ClientPayloadError) as exc:
+        raise ClientGone(f"the client left during its upload: {exc}") from None
 
 
 async def _read_prefix(request: web.BaseRequest, limit: int, idle: float) -> tuple[bytes, bool]:
@@ -114,19 +121,39 @@ async def _read_prefix(request: web.BaseRequest, limit: int, idle: float) -> tup
     return bytes(buf), False
 
 
-async def _rest(
-    request: web.BaseRequest, prefix: bytes, max_total: int, idle: float
-) -> AsyncIterator[bytes]:
-    total = len(prefix)
-    yield prefix
-    while True:
-        chunk = await _read(request, READ_CHUNK, idle)
+class BodyStream:
+    """The rest of a body too large to buffer, read from the client as the upstream takes it.
+
+    A plain async iterator (not an async generator): an attempt that stops consuming it
+    half-way leaves no generator to finalise, and it compiles with mypyc."""
+
+    __slots__ = ("_idle", "_max_total", "_prefix", "_request", "_total", "started")
+
+    def __init__(
+        self, request: web.BaseRequest, prefix: bytes, max_total: int, idle: float
+    ) -> None:
+        self._request = request
+        self._prefix: bytes | None = prefix
+        self._total = len(prefix)
+        self._max_total = max_total
+        self._idle = idle
+        self.started = False  # whether any byte was handed to the upstream side
+
+    def __aiter__(self) -> BodyStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        self.started = True
+        if self._prefix is not None:
+            prefix, self._prefix = self._prefix, None
+            return prefix
+        chunk = await _read(self._request, READ_CHUNK, self._idle)
         if not chunk:
-            return
-        total += len(chunk)
-        if total > max_total:
-            raise BodyTooLarge(f"request body over {max_total} bytes")
-        yield chunk
+            raise StopAsyncIteration
+        self._total += len(chunk)
+        if self._total > self._max_total:
+            raise BodyTooLarge(f"request body over {self._max_total} bytes")
+        return chunk
 
 
 class ProxyHandler:
@@ -209,6 +236,36 @@ class ProxyHandler:
             # without this a client waits its expect timeout (curl: 1 s) before sending.
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
+        try:
+            return await self._sequence(
+                request, config, route, shared, as_received, edge, timeout_ms, start, span
+            )
+        except ClientGone:
+            # The client aborted its upload: nobody to answer, nothing to blame upstream for.
+            self._gone(request, route, start, span)
+            _cut_transport(request)
+            return client_error(400, "the request body did not arrive whole")
+        except asyncio.CancelledError:
+            # aiohttp cancels the handler when the client's connection is lost: every scope
+            # below has given back what it held; count it and let the cancellation go on.
+            self._gone(request, route, start, span)
+            raise
+
+    async def _sequence(
+        self,
+        request: web.BaseRequest,
+        config: Config,
+        route: Route,
+        shared: list[tuple[bytes, bytes]],
+        as_received: list[tuple[bytes, bytes]],
+        edge: bytes | None,
+        timeout_ms: bytes | None,
+        start: float,
+        span: Span | None,
+    ) -> web.StreamResponse:
+        deps = self.deps
+        method = request.method
+        target = origin_form(request.raw_path)
         # Body: buffered up to max_body_bytes so it can be resent; streamed once beyond.
         body: Body = None
         chunked = False
@@ -221,7 +278,8 @@ class ProxyHandler:
                 shared.append((b"Content-Length", str(len(prefix)).encode()))
             else:
                 replayable = False
-                body = _rest(request, prefix, config.limits.max_request_body, idle)
+                body = BodyStream(request, prefix, config.limits.max_request_body, idle)
+                length = request.content_length
                 if length is not None:
                     shared.append((b"Content-Length", str(length).encode()))
                 else:
@@ -233,20 +291,48 @@ class ProxyHandler:
         # The sequence deadline starts once the request is received (as Envoy's route timeout
         # does): a slow upload of a buffered body does not eat the upstream's time.
         deadline = Deadline.start(
-            clock.monotonic(), route.timeout, parse_timeout_ms(_s(timeout_ms))
+            deps.clock.monotonic(), route.timeout, parse_timeout_ms(_s(timeout_ms))
         )
-
-        idem = request.headers.get("Idempotency-Key") is not None
+        key = request.headers.get("Idempotency-Key")
         exchange = Exchange(
-            route, method, target, shared, body, chunked, replayable, edge, deadline, idem, span
+            route,
+            method,
+            target,
+            shared,
+            body,
+            chunked,
+            replayable,
+            edge,
+            deadline,
+            key is not None and key.strip() != "",
+            span,
         )
         try:
-            executed = await execute(deps, config.name.encode(), exchange)
+            async with Sequence(deps, config.name.encode(), exchange) as seq:
+                return await self._respond(
+                    request, route, method, target, as_received, body, start, span, seq
+                )
         except BodyTooLarge as exc:
             resp413 = client_error(413, str(exc))
+            resp413.force_close()  # the rest of the body is not read
             return self._finish(request, route, start, resp413, Fate.NOT_RETRYABLE, 1, None, span)
-        result = executed.result
-        stored_body = body if isinstance(body, bytes) else None
+
+    async def _respond(
+        self,
+        request: web.BaseRequest,
+        route: Route,
+        method: str,
+        target: str,
+        as_received: list[tuple[bytes, bytes]],
+        body: Body,
+        start: float,
+        span: Span | None,
+        seq: Sequence,
+    ) -> web.StreamResponse:
+        """The answer to the client, given inside the sequence's scope: the upstream response
+        is relayed while the scope still owns it."""
+        deps = self.deps
+        result = seq.result
         error: str | None
         if result is None:  # the breaker refused the sequence
             fate, attempts, status, error = Fate.BREAKER_OPEN, 0, None, "breaker open"
@@ -255,6 +341,7 @@ class ProxyHandler:
             error = str(result.error) if result.error is not None else None
         captured = None
         if route.dlq.enabled and method in WRITE_METHODS:  # skip the coroutine otherwise
+            stored_body = body if isinstance(body, bytes) else None
             captured = await capture(
                 deps.dlq,
                 route,
@@ -269,18 +356,33 @@ class ProxyHandler:
                 deps.dlq_write,
             )
         if captured is not None and captured.record_id and route.dlq.respond == "accepted":
-            if result is not None and result.response is not None:
-                result.response.discard()
             resp202 = accepted(captured.record_id, fate, attempts)
             return self._finish(request, route, start, resp202, fate, attempts, None, span)
         if result is None:
             resp = proxy_error(
                 503, "breaker-open", f"circuit breaker of route {route.name} is open", fate, 0
             )
-            resp.headers["Retry-After"] = str(max(1, math.ceil(executed.retry_after)))
+            resp.headers["Retry-After"] = str(max(1, math.ceil(seq.refused_for)))
             _dlq_headers(resp, captured)
             return self._finish(request, route, start, resp, fate, 0, "breaker-open", span)
-        return await self._answer(request, route, start, result, span, captured)
+        return await self._answer(request, route, start, result, span, captured, seq)
+
+    def _gone(
+        self, request: web.BaseRequest, route: Route, start: float, span: Span | None
+    ) -> None:
+        if span is not None:
+            self.deps.tracing.end_server(span, 499, Fate.CLIENT_GONE.value, 0)
+        self.deps.events.sequence_ended(
+            SequenceEnded(
+                route.name,
+                request.method,
+                Fate.CLIENT_GONE.value,
+                0,
+                self.deps.clock.monotonic() - start,
+                499,  # nginx's status for "client closed the request", in metrics and logs
+                None,
+            )
+        )
 
     def _finish(
         self,
@@ -316,6 +418,7 @@ class ProxyHandler:
         result: SequenceResult,
         span: Span | None,
         captured: Captured | None,
+        seq: Sequence,
     ) -> web.StreamResponse:
         fate = result.fate
         up = result.response
@@ -330,7 +433,7 @@ class ProxyHandler:
             resp = proxy_error(status, code, message, fate, result.attempts, error_type)
             _dlq_headers(resp, captured)
             return self._finish(request, route, start, resp, fate, result.attempts, code, span)
-        return await self._stream(request, route, start, result, up, span, captured)
+        return await self._stream(request, route, start, result, up, span, captured, seq)
 
     async def _stream(
         self,
@@ -341,6 +444,7 @@ class ProxyHandler:
         up: UpstreamResponse,
         span: Span | None,
         captured: Captured | None,
+        seq: Sequence,
     ) -> web.StreamResponse:
         if up.extra_data:
             self._upstream_warning(route, "upstream sent more data after a complete response")
@@ -382,6 +486,7 @@ class ProxyHandler:
             # The upstream broke after the head went out: the client must see a broken
             # response (connection cut, no terminating chunk), never a truncated whole one.
             up.discard()
+            seq.body_failed()  # the breaker hears of it: one failed sequence
             broken = exc
             _cut(request, resp)
         except (ConnectionError, OSError):
@@ -443,6 +548,10 @@ def accepted(record_id: str, fate: Fate, attempts: int) -> web.Response:
 
 def _cut(request: web.BaseRequest, resp: web.StreamResponse) -> None:
     resp.force_close()
+    _cut_transport(request)
+
+
+def _cut_transport(request: web.BaseRequest) -> None:
     transport = request.transport
     if transport is not None:
         transport.abort()

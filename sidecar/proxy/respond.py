@@ -17,7 +17,7 @@ import json
 from aiohttp import web
 from aiohttp.http import HttpVersion10
 
-from sidecar.retry.decide import Fate
+from sidecar.core import Fate
 
 RawHeaders = list[tuple[bytes, bytes]]
 

@@ -64,6 +64,7 @@ class GuardedRequestHandler(RequestHandler):
         super().__init__(manager, **kwargs)
         self._guard = manager
         self._head_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
         self.in_request = False
         self._closing = False  # a request asked to close: later bytes are ignored
 
@@ -117,13 +118,14 @@ class GuardedRequestHandler(RequestHandler):
         self._head_timer = None
         if self.in_request or self.transport is None:
             return
+        transport = self.transport  # force_close() may drop self.transport
         self._guard.count("header-timeout")
         self._guard.warn("request head not complete within the header timeout; closing")
-        self.transport.write(
+        transport.write(
             _error_bytes(408, "Request Timeout", "the request head took too long to arrive")
         )
         self.force_close()
-        self.transport.close()
+        transport.close()
 
     def _cancel_head_timer(self) -> None:
         if self._head_timer is not None:
@@ -132,7 +134,36 @@ class GuardedRequestHandler(RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._cancel_head_timer()
+        self._cancel_send_timer()
         super().connection_lost(exc)
+
+    # -- the send timeout -------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        """The client's socket stopped taking bytes: it gets ``limits.send_timeout`` to take
+        more, or the connection is cut; the cut cancels the handler (handler_cancellation),
+        whose scopes give back the bulkhead slot, the upstream connection and the buffers."""
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self._loop.call_later(
+                self._guard.send_timeout(), self._send_timed_out
+            )
+
+    def resume_writing(self) -> None:
+        self._cancel_send_timer()
+        super().resume_writing()
+
+    def _send_timed_out(self) -> None:
+        self._send_timer = None
+        self._guard.count("send-timeout")
+        self._guard.warn("a client took no response bytes within the send timeout; closing")
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _cancel_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
 
     # -- malformed requests -----------------------------------------------------------------
 
@@ -168,6 +199,7 @@ class SidecarServer(web.Server):
         handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
         header_timeout: Callable[[], float],
         on_malformed: Callable[[str], None],
+        send_timeout: Callable[[], float] = lambda: 60.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -178,6 +210,7 @@ class SidecarServer(web.Server):
             **kwargs,
         )
         self.header_timeout = header_timeout
+        self.send_timeout = send_timeout
         self.count = on_malformed
         self._warn_limit = RateLimit(per_interval=10, interval=60.0)
 

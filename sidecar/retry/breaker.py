@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from sidecar.config.model import BreakerPolicy
+from sidecar.core import Verdict
 from sidecar.retry.window import Window
 
 
@@ -107,8 +108,15 @@ class Breaker:
             return Rejected(min(1.0, self.policy.open_for))
         return _ADMIT
 
-    def record(self, now: float, success: bool, probe: bool, wall: float | None = None) -> None:
-        """The one outcome of one finished sequence."""
+    def record(self, now: float, verdict: Verdict, probe: bool, wall: float | None = None) -> None:
+        """The one verdict of one finished sequence. A NEUTRAL verdict (the upstream was
+        never asked, or the client left) counts nowhere; a neutral probe hands its probe
+        slot back so the next sequence can probe instead."""
+        if verdict is Verdict.NEUTRAL:
+            if probe and self.state is State.HALF_OPEN and self._probes_admitted > 0:
+                self._probes_admitted -= 1
+            return
+        success = verdict is Verdict.SUCCESS
         if self.state is State.HALF_OPEN:
             if not probe:
                 return  # a sequence admitted before the breaker opened: no say any more

@@ -3,19 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 from sidecar.config.model import RetryPolicy
-
-
-class OutcomeKind(Enum):
-    RESPONSE = "response"
-    CONNECT_FAILURE = "connect-failure"
-    RESET = "reset"
-    PER_TRY_TIMEOUT = "per-try-timeout"
-    # An answer that is not valid HTTP to relay (bad status, transfer coding, head size): a
-    # property of the response, never retried.
-    BAD_RESPONSE = "bad-response"
+from sidecar.core import LocalOverload, OutcomeKind, UpstreamError, Verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,3 +70,25 @@ def sequence_failed(policy: RetryPolicy, final_status: int | None, errored: bool
     if errored or final_status is None:
         return True
     return final_status >= 500 or final_status in policy.retry_on.statuses
+
+
+def verdict(
+    policy: RetryPolicy, final_status: int | None, error: UpstreamError | LocalOverload | None
+) -> Verdict:
+    """What a finished sequence tells its breaker (one verdict per sequence).
+
+    Neutral when the upstream was never asked (the sidecar had no room, or the deadline was
+    spent before a byte was written): that says nothing about its health, and a half-open
+    probe that ends so must not decide the breaker's state either way. A connect failure is
+    a failure: nothing was sent, but the upstream could not be reached.
+    """
+    if isinstance(error, LocalOverload):
+        return Verdict.NEUTRAL
+    if (
+        isinstance(error, UpstreamError)
+        and not error.reached_upstream
+        and error.kind is not OutcomeKind.CONNECT_FAILURE
+    ):
+        return Verdict.NEUTRAL
+    failed = sequence_failed(policy, final_status, error is not None)
+    return Verdict.FAILURE if failed else Verdict.SUCCESS

@@ -8,42 +8,18 @@ driver (``loop.py``) does the I/O and the sleeping.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
 from sidecar.config.model import RetryPolicy
+from sidecar.core import Fate, OutcomeKind
 from sidecar.retry import backoff
 from sidecar.retry.backoff import Rng
-from sidecar.retry.classify import (
-    Outcome,
-    OutcomeKind,
-    is_retryable,
-    is_success,
-    nothing_reached_upstream,
-)
+from sidecar.retry.classify import Outcome, is_retryable, is_success, nothing_reached_upstream
 from sidecar.retry.deadline import Deadline
 from sidecar.retry.retry_after import parse_retry_after
 
 # Retry-After is honoured with up to this fraction of extra jitter, so that every client told
 # "wait 5s" does not come back in the same millisecond.
 RETRY_AFTER_JITTER = 0.1
-
-
-class Fate(StrEnum):
-    """Why a sequence stopped (the ``x-retry-fate`` header)."""
-
-    SUCCESS = "success"
-    EXHAUSTED = "exhausted"
-    NOT_RETRYABLE = "not-retryable"
-    NON_IDEMPOTENT = "non-idempotent"
-    BODY_TOO_LARGE = "body-too-large"
-    BUDGET_EXHAUSTED = "budget-exhausted"
-    BREAKER_OPEN = "breaker-open"
-    KILL_SWITCH = "kill-switch"
-    DEADLINE = "deadline"
-    EDGE_OWNED = "edge-owned"
-    RETRY_AFTER_TOO_LONG = "retry-after-too-long"
-    OVERLOADED = "overloaded"  # bulkhead or connection pool full: the upstream was not asked
-    DRAINING = "draining"  # the sidecar is shutting down and made no further retry
 
 
 @dataclass(frozen=True, slots=True)

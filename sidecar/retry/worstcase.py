@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sidecar.config.model import Route
-from sidecar.retry.classify import Outcome, OutcomeKind, is_retryable
+from sidecar.core import Fate, OutcomeKind
+from sidecar.retry.classify import Outcome, is_retryable
 from sidecar.retry.deadline import Deadline
-from sidecar.retry.decide import Constraints, Fate, Retry, decide
+from sidecar.retry.decide import Constraints, Retry, decide
 from sidecar.retry.retry_after import MAX_DELAY_SECONDS
 
 

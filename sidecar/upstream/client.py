@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
+from sidecar.core import ConnectFailure, NoTimeLeft, UpstreamError, UpstreamReset
 from sidecar.upstream.connection import Connection
-from sidecar.upstream.errors import ConnectFailure, UpstreamError, UpstreamReset
 from sidecar.upstream.pool import Pool, PoolSettings, PoolStats
 from sidecar.upstream.states import Req
 
@@ -142,6 +142,10 @@ class UpstreamClient:
         loop = asyncio.get_running_loop()
         started = loop.time()
         conn = await pool.acquire(timeout)
+        if loop.time() - started >= timeout:
+            # The wait for a connection used the attempt's time up: write nothing upstream.
+            pool.release(conn)
+            raise NoTimeLeft("no time left to send the request")
         try:
             conn.begin(head_only)
             if body is None or isinstance(body, bytes):

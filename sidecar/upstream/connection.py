@@ -24,13 +24,7 @@ from typing import Any
 
 import httptools
 
-from sidecar.upstream.errors import (
-    AttemptTimeout,
-    BadResponse,
-    BodyTimeout,
-    UpstreamError,
-    UpstreamReset,
-)
+from sidecar.core import AttemptTimeout, BadResponse, BodyTimeout, UpstreamError, UpstreamReset
 from sidecar.upstream.states import ConnState, Link, Req, Resp
 
 HIGH_WATER = 256 * 1024

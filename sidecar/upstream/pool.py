@@ -13,8 +13,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from sidecar.config.model import UpstreamPool
+from sidecar.core import ConnectFailure, NoTimeLeft, PoolExhausted, connect_error_type
 from sidecar.upstream.connection import Connection
-from sidecar.upstream.errors import ConnectFailure, PoolExhausted, connect_error_type
 
 # The pool's settings are the config's ``upstream_pool`` section itself.
 PoolSettings = UpstreamPool
@@ -44,7 +44,8 @@ class Pool:
         return PoolStats(self._total, len(self._idle), len(self._waiters))
 
     async def acquire(self, connect_timeout: float) -> Connection:
-        """An idle pooled connection (newest first), or a new one."""
+        """An idle pooled connection (newest first), or a new one. ``connect_timeout`` is
+        what is left of the attempt: it bounds the wait for a connection and the connect."""
         while True:
             while self._idle:
                 conn = self._idle.pop()
@@ -64,14 +65,25 @@ class Pool:
                     self._total -= 1
                     self._wake_one()
                     raise
-            await self._wait_for_slot()
+            # The wait for a free connection is part of the attempt's time: bounded by it
+            # (and so by the sequence deadline) as well as by wait_timeout.
+            deadline = self._loop.time() + connect_timeout
+            await self._wait_for_slot(min(self.settings.wait_timeout, connect_timeout))
+            connect_timeout = deadline - self._loop.time()
 
-    async def _wait_for_slot(self) -> None:
+    async def _wait_for_slot(self, wait: float) -> None:
         fut: asyncio.Future[None] = self._loop.create_future()
         self._waiters.append(fut)
-        handle = self._loop.call_later(self.settings.wait_timeout, _expire, fut)
+        handle = self._loop.call_later(max(wait, 0.0), _expire, fut)
         try:
             await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                # Woken by a release, then cancelled before this waiter could use the
+                # wake-up (same loop turn): hand it on, or the next waiter sleeps until
+                # its own timeout while a connection is free.
+                self._wake_one()
+            raise
         finally:
             handle.cancel()
             if fut in self._waiters:
@@ -80,7 +92,7 @@ class Pool:
     async def _connect(self, timeout: float) -> Connection:
         timeout = min(timeout, self.settings.connect_timeout)
         if timeout <= 0:
-            raise ConnectFailure("no time left to connect")
+            raise NoTimeLeft("no time left to connect")  # nothing was sent: not a failure
         try:
             async with asyncio.timeout(timeout):
                 _, conn = await self._loop.create_connection(

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-from sidecar.admin.killswitch import KillSwitch
+from typing import Protocol
+
+from sidecar.core import Clock
+from sidecar.engine.routestate import RouteState
 from sidecar.lifecycle import Lifecycle
-from sidecar.retry.loop import Clock
-from sidecar.retry.routestate import RouteState
+
+
+class Switches(Protocol):
+    """The kill switches (``sidecar.admin.killswitch.KillSwitch``), as the engine sees them."""
+
+    def covers(self, route: str, now: float) -> bool: ...
 
 
 class SequenceGate:
     __slots__ = ("_clock", "_kill", "_life", "_route", "_state")
 
     def __init__(
-        self, route: str, state: RouteState, kill: KillSwitch, life: Lifecycle, clock: Clock
+        self, route: str, state: RouteState, kill: Switches, life: Lifecycle, clock: Clock
     ) -> None:
         self._route = route
         self._state = state

@@ -6,32 +6,29 @@ from an injected clock so that drain can cut a backoff sleep short.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from sidecar.config.model import Route
+from sidecar.core import (
+    AttemptTimeout,
+    Clock,
+    Fate,
+    LocalOverload,
+    NoTimeLeft,
+    OutcomeKind,
+    UpstreamError,
+)
 from sidecar.retry.backoff import Rng
-from sidecar.retry.classify import Outcome, OutcomeKind
+from sidecar.retry.classify import Outcome
 from sidecar.retry.deadline import Deadline
-from sidecar.retry.decide import Constraints, Fate, Retry, decide
+from sidecar.retry.decide import Constraints, Retry, decide
 from sidecar.telemetry.events import AttemptEnded, EventSink, RetryScheduled
 from sidecar.upstream.client import UpstreamResponse
-from sidecar.upstream.errors import AttemptTimeout, LocalOverload, UpstreamError
 
 # send(attempt_number, attempt_timeout) -> response; raises UpstreamError or LocalOverload.
 Send = Callable[[int, float], Awaitable[UpstreamResponse]]
-
-
-class Clock:
-    """Monotonic time for deadlines and wall time for Retry-After dates."""
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def wall(self) -> float:
-        return time.time()
 
 
 class RetryGate(Protocol):
@@ -83,7 +80,14 @@ async def run_sequence(
     while True:
         attempt += 1
         now = clock.monotonic()
-        per_try = min(policy.per_try_timeout, deadline.remaining(now))
+        left = deadline.remaining(now)
+        if left <= 0:
+            # No byte is written upstream once the deadline is spent (a long bulkhead wait, or
+            # a backoff that decide() allowed ending exactly at the deadline).
+            return SequenceResult(
+                Fate.DEADLINE, attempt - 1, None, NoTimeLeft("the sequence deadline is spent")
+            )
+        per_try = min(policy.per_try_timeout, left)
         response: UpstreamResponse | None = None
         error: UpstreamError | None = None
         try:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from sidecar.config.model import Config, Route
+from sidecar.engine.bulkhead import Bulkhead
 from sidecar.retry.breaker import Breaker, State
 from sidecar.retry.budget import Budget
-from sidecar.retry.bulkhead import Bulkhead
 
 TransitionHook = Callable[[str, State, State], None]
 

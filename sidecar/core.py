@@ -1,0 +1,158 @@
+"""The shared vocabulary every layer may import: fates, outcome kinds, the breaker's verdicts,
+the clock and the error types. It imports nothing from the project, so no layer has to reach
+"up" (the upstream client into the retry rules, the DLQ into the proxy) to name these.
+See docs/architecture.md for the layering.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from enum import Enum, StrEnum
+
+
+class Fate(StrEnum):
+    """Why a sequence stopped (the ``x-retry-fate`` header)."""
+
+    SUCCESS = "success"
+    EXHAUSTED = "exhausted"
+    NOT_RETRYABLE = "not-retryable"
+    NON_IDEMPOTENT = "non-idempotent"
+    BODY_TOO_LARGE = "body-too-large"
+    BUDGET_EXHAUSTED = "budget-exhausted"
+    BREAKER_OPEN = "breaker-open"
+    KILL_SWITCH = "kill-switch"
+    DEADLINE = "deadline"
+    EDGE_OWNED = "edge-owned"
+    RETRY_AFTER_TOO_LONG = "retry-after-too-long"
+    OVERLOADED = "overloaded"  # bulkhead or connection pool full: the upstream was not asked
+    DRAINING = "draining"  # the sidecar is shutting down and made no further retry
+    CLIENT_GONE = "client-gone"  # the client left; the sequence was cancelled for nobody
+
+
+class OutcomeKind(Enum):
+    RESPONSE = "response"
+    CONNECT_FAILURE = "connect-failure"
+    RESET = "reset"
+    PER_TRY_TIMEOUT = "per-try-timeout"
+    # An answer that cannot be relayed as HTTP (bad status, transfer coding, head size): a
+    # property of the response, never retried.
+    BAD_RESPONSE = "bad-response"
+
+
+class Verdict(Enum):
+    """The one thing a finished sequence tells its route's circuit breaker."""
+
+    SUCCESS = "success"  # the upstream answered as intended
+    FAILURE = "failure"  # evidence the upstream is failing
+    NEUTRAL = "neutral"  # says nothing about the upstream: it was never reached, the client
+    # left, or the sequence was cut short locally; a half-open probe slot is handed back
+
+
+class Clock:
+    """Monotonic time for deadlines and wall time for Retry-After dates and records."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()
+
+
+class UpstreamError(Exception):
+    """An attempt failed on the wire. Raised by the upstream client, judged by the retry rules."""
+
+    kind: OutcomeKind = OutcomeKind.RESET
+    code: str = "upstream-reset"  # the x-retry-proxy-error value when the sidecar answers
+    status: int = 502
+    reached_upstream: bool = True  # may bytes of the request have reached the upstream?
+    # The RFC 9209 Proxy-Status error type of the answer the sidecar makes from this error.
+    proxy_status: str = "connection_terminated"
+
+
+class ConnectFailure(UpstreamError):
+    """No byte of the request left this process: the connection could not be made."""
+
+    kind = OutcomeKind.CONNECT_FAILURE
+    code = "connect-failure"
+    reached_upstream = False
+    proxy_status = "destination_unavailable"
+
+    def __init__(self, message: str, proxy_status: str | None = None) -> None:
+        super().__init__(message)
+        if proxy_status is not None:
+            self.proxy_status = proxy_status
+
+
+def connect_error_type(exc: OSError) -> str:
+    """The RFC 9209 error type of a failed connect."""
+    if isinstance(exc, socket.gaierror):
+        return "dns_error"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection_refused"
+    return "destination_unavailable"
+
+
+class UpstreamReset(UpstreamError):
+    """The connection broke, or the upstream spoke something other than HTTP/1.x."""
+
+    kind = OutcomeKind.RESET
+    code = "upstream-reset"
+
+
+class AttemptTimeout(UpstreamError):
+    """No complete response head within the per-try timeout."""
+
+    kind = OutcomeKind.PER_TRY_TIMEOUT
+    code = "per-try-timeout"
+    status = 504
+    proxy_status = "http_response_timeout"
+
+
+class NoTimeLeft(AttemptTimeout):
+    """The sequence deadline was spent before this attempt could write a byte upstream."""
+
+    code = "deadline"
+    reached_upstream = False
+
+
+class BadResponse(UpstreamError):
+    """The upstream answered with something no client should get: a status outside 100-599,
+    a transfer coding other than chunked, a head over the size limits. A property of the
+    response, not a transient fault: never retried (nginx's default proxy_next_upstream does
+    not retry ``invalid_header`` either)."""
+
+    kind = OutcomeKind.BAD_RESPONSE
+    code = "bad-response"
+
+    def __init__(self, message: str, proxy_status: str = "http_protocol_error") -> None:
+        super().__init__(message)
+        self.proxy_status = proxy_status
+
+
+class BodyTimeout(UpstreamError):
+    """The upstream sent no body bytes for the stream idle timeout (after the head)."""
+
+    code = "stream-idle-timeout"
+    proxy_status = "http_response_timeout"
+
+
+class LocalOverload(Exception):
+    """The sidecar itself has no room for the attempt; the upstream was not asked."""
+
+    code = "overloaded"
+    status = 503
+    reached_upstream = False
+    proxy_status = "connection_limit_reached"
+
+
+class PoolExhausted(LocalOverload):
+    """Every pooled connection to the upstream stayed busy for the whole pool wait."""
+
+    code = "pool-exhausted"
+
+
+class Overloaded(LocalOverload):
+    """The route's bulkhead stayed full for its whole queue timeout."""
+
+    code = "overloaded"

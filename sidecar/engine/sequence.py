@@ -1,0 +1,207 @@
+"""One exchange through a route's whole policy, as a scope that owns what it takes.
+
+``async with Sequence(deps, name, exchange) as seq`` runs breaker admission, the bulkhead wait,
+the attempts (with budget, kill switch and drain asked between them) and leaves the final
+upstream response in ``seq.result`` for the body of the ``async with`` to relay. Whatever way the
+scope is left -- return, exception, cancellation because the client went away, a timeout -- its
+``__aexit__`` gives everything back, in this order:
+
+1. the final upstream response (released if its body was read to the end, else discarded:
+   the connection is then closed, never pooled);
+2. the bulkhead slot (an ``asyncio.Semaphore`` permit held by ``Bulkhead.slot``);
+3. the breaker admission, with exactly ONE verdict for the whole sequence: the upstream's
+   answer, or NEUTRAL when the upstream was never asked, the client left, or a local error cut
+   the sequence short (a half-open probe slot is then handed back, never leaked).
+
+Live client traffic (``sidecar.proxy``) and DLQ replays (``sidecar.dlq``) both use it.
+"""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from sidecar.config.model import Route
+from sidecar.core import Fate, LocalOverload, NoTimeLeft, UpstreamError, Verdict
+from sidecar.engine.deps import EngineDeps
+from sidecar.engine.gate import SequenceGate
+from sidecar.engine.head import build_head, with_edge_tracestate
+from sidecar.engine.loop import SequenceResult, run_sequence
+from sidecar.retry.breaker import Admitted
+from sidecar.retry.classify import may_resend, verdict
+from sidecar.retry.deadline import Deadline
+from sidecar.retry.decide import Constraints
+from sidecar.upstream.client import Body, UpstreamResponse
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+
+@dataclass
+class Exchange:
+    route: Route
+    method: str
+    target: str
+    headers: list[tuple[bytes, bytes]]  # filtered and framed, without per-attempt headers
+    body: Body
+    chunked: bool
+    replayable: bool  # the body is buffered and may be sent again
+    edge: bytes | None  # a trusted incoming edge marker
+    deadline: Deadline
+    idempotency_key: bool
+    span: Span | None = None
+
+
+class Sequence:
+    """The scope of one retry sequence (see the module docstring)."""
+
+    __slots__ = (
+        "_deps",
+        "_ex",
+        "_exits",
+        "_name",
+        "_probe",
+        "_state",
+        "_verdict",
+        "refused_for",
+        "result",
+    )
+
+    def __init__(self, deps: EngineDeps, sidecar_name: bytes, ex: Exchange) -> None:
+        self._deps = deps
+        self._name = sidecar_name
+        self._ex = ex
+        self._state = deps.states.get(ex.route.name)
+        self._exits = AsyncExitStack()
+        self._probe: bool | None = None  # None: not admitted (nothing to record)
+        self._verdict: Verdict | None = None  # an override set while relaying the body
+        self.result: SequenceResult | None = None  # None when the breaker refused
+        self.refused_for = 0.0  # with a refusal: seconds until a probe is let through
+
+    @property
+    def response(self) -> UpstreamResponse | None:
+        return self.result.response if self.result is not None else None
+
+    def body_failed(self) -> None:
+        """The upstream broke while its response body was relayed: the sequence failed."""
+        self._verdict = Verdict.FAILURE
+
+    async def __aenter__(self) -> Sequence:
+        deps, ex = self._deps, self._ex
+        clock = deps.clock
+        now = clock.monotonic()
+        admission = self._state.breaker.admit(now)
+        if not isinstance(admission, Admitted):
+            self.refused_for = admission.retry_after
+            return self
+        self._probe = admission.probe
+        try:
+            self._state.budget.record_request(now)
+            wait = min(ex.route.bulkhead.queue_timeout, ex.deadline.remaining(now))
+            try:
+                await self._exits.enter_async_context(self._state.bulkhead.slot(wait))
+            except LocalOverload as exc:
+                if ex.deadline.expired(clock.monotonic()):
+                    # The wait was cut by the deadline, not by the queue timeout.
+                    spent = NoTimeLeft("the sequence deadline passed waiting for a slot")
+                    self.result = SequenceResult(Fate.DEADLINE, 0, None, spent)
+                else:
+                    self.result = SequenceResult(Fate.OVERLOADED, 0, None, exc)
+                return self
+            self.result = await self._run()
+        except BaseException:
+            await self._close(Verdict.NEUTRAL)
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is not None:
+            # The client went away, or a local error: says nothing about the upstream.
+            await self._close(Verdict.NEUTRAL)
+            return
+        result = self.result
+        if result is None:
+            await self._close(None)
+            return
+        v = self._verdict
+        if v is None:
+            v = verdict(self._ex.route.retry, result.response_status, result.error)
+        await self._close(v)
+
+    async def _close(self, v: Verdict | None) -> None:
+        try:
+            up = self.response
+            if up is not None:
+                up.discard()  # a no-op when the relay released it after the whole body
+            await self._exits.aclose()  # the bulkhead slot
+        finally:
+            if self._probe is not None:
+                clock = self._deps.clock
+                self._state.breaker.record(
+                    clock.monotonic(), v or Verdict.NEUTRAL, self._probe, clock.wall()
+                )
+                self._probe = None
+
+    async def _run(self) -> SequenceResult:
+        deps, ex = self._deps, self._ex
+        route = ex.route
+        clock = deps.clock
+        shared = list(ex.headers)
+        # A trusted incoming marker is passed on unchanged; otherwise this sidecar is the edge.
+        edge_value = ex.edge if ex.edge is not None and ex.edge != b"tracestate" else self._name
+        shared.append((b"x-retry-edge", edge_value))
+        shared = with_edge_tracestate(shared)
+        head_base = build_head(ex.method, ex.target, shared)
+        head_only = ex.method == "HEAD"
+        host, port = route.upstream.host, route.upstream.port
+        client = deps.client
+        tracing = deps.tracing
+        span = ex.span
+        body, chunked, deadline, method = ex.body, ex.chunked, ex.deadline, ex.method
+        upstream_name = route.upstream.authority
+
+        def time_left() -> float:
+            # Called once a streamed body has been sent: the deadline starts from there.
+            deadline.restart(clock.monotonic())
+            return deadline.remaining(clock.monotonic())
+
+        async def send(attempt: int, timeout: float) -> UpstreamResponse:
+            remaining = deadline.remaining_ms(clock.monotonic())
+            head = head_base + b"x-retry-attempt: %d\r\nx-request-timeout-ms: %d\r\n" % (
+                attempt,
+                remaining,
+            )
+            if span is None:
+                return await client.request(
+                    host, port, head + b"\r\n", body, timeout, head_only, chunked, time_left
+                )
+            attempt_span = tracing.start_attempt(span, method, attempt, upstream_name)
+            head += b"traceparent: " + tracing.traceparent(attempt_span) + b"\r\n"
+            try:
+                up = await client.request(
+                    host, port, head + b"\r\n", body, timeout, head_only, chunked, time_left
+                )
+            except BaseException as exc:
+                code = exc.code if isinstance(exc, UpstreamError) else type(exc).__name__
+                tracing.end_attempt(attempt_span, None, code)
+                raise
+            tracing.end_attempt(attempt_span, up.status, None)
+            return up
+
+        gate = SequenceGate(route.name, self._state, deps.kill, deps.life, clock)
+        constraints = Constraints(
+            may_resend=may_resend(route.retry, method, ex.idempotency_key),
+            body_replayable=ex.replayable,
+            edge_owned=ex.edge is not None,
+            killed=gate.killed(),
+        )
+        return await run_sequence(
+            route, send, deadline, constraints, clock, deps.rng, deps.events, gate
+        )

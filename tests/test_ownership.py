@@ -1,0 +1,467 @@
+"""Every path owns what it takes: each test ends a request early -- a cancelled waiter, a client
+that leaves, a probe that never reached the upstream, a reader that stops reading -- and checks
+that the slot, probe, connection and response it held were given back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from sidecar.config.errors import ConfigError
+from sidecar.config.model import BreakerPolicy, BulkheadPolicy, UpstreamPool
+from sidecar.config.parse import parse_text
+from sidecar.core import Overloaded, PoolExhausted, Verdict
+from sidecar.engine.bulkhead import Bulkhead
+from sidecar.proxy.handler import is_trusted
+from sidecar.retry.breaker import Admitted, Breaker, Rejected, State
+from sidecar.upstream.pool import Pool
+from tests.conftest import hang, reply, routes_yaml
+from tests.faults import OK, read_request
+
+# -- the bulkhead: a waiter cancelled in the same loop turn as a release ------------------------
+
+
+async def test_bulkhead_waiter_cancelled_in_the_turn_of_a_release_leaks_no_slot():
+    bh = Bulkhead(BulkheadPolicy(max_concurrent=1, queue_timeout=5.0))
+    holder_in = asyncio.Event()
+    holder_out = asyncio.Event()
+    waiters: list[asyncio.Task[None]] = []
+
+    async def holder() -> None:
+        async with bh.slot(1.0):
+            holder_in.set()
+            await holder_out.wait()
+        # Same loop turn as the release (leaving the scope does not yield): the woken waiter
+        # is cancelled before it can run -- the race that leaked every slot under stress.
+        waiters[0].cancel()
+
+    async def waiter() -> None:
+        async with bh.slot(5.0):
+            await asyncio.sleep(0)
+
+    h = asyncio.create_task(holder())
+    await holder_in.wait()
+    waiters.append(asyncio.create_task(waiter()))
+    await asyncio.sleep(0.01)  # the waiter is queued
+    holder_out.set()
+    await h
+    with pytest.raises(asyncio.CancelledError):
+        await waiters[0]
+    assert bh.in_flight == 0
+    async with asyncio.timeout(1):  # the slot is free again
+        async with bh.slot(0.0):
+            assert bh.in_flight == 1
+    assert bh.in_flight == 0
+
+
+async def test_bulkhead_many_waiters_cancelled_as_slots_free_leak_nothing():
+    bh = Bulkhead(BulkheadPolicy(max_concurrent=3, queue_timeout=1.0))
+    stop = asyncio.Event()
+    waiters: list[asyncio.Task[str]] = []
+
+    async def hold(i: int) -> None:
+        async with bh.slot(1.0):
+            await stop.wait()
+        for w in waiters[i:15:3]:  # cancel the front of the queue in the turn of the release
+            w.cancel()
+
+    holders = [asyncio.create_task(hold(i)) for i in range(3)]
+    await asyncio.sleep(0.01)
+
+    async def wait_for_slot(t: float) -> str:
+        try:
+            async with bh.slot(t):
+                await asyncio.sleep(0)
+                return "got"
+        except Overloaded:
+            return "overloaded"
+
+    waiters.extend(asyncio.create_task(wait_for_slot(0.5)) for _ in range(30))
+    await asyncio.sleep(0.01)
+    stop.set()
+    await asyncio.gather(*holders)
+    outcomes = await asyncio.gather(*waiters, return_exceptions=True)
+    assert "got" in outcomes
+    assert bh.in_flight == 0
+    async with asyncio.timeout(1):
+        async with bh.slot(0.0), bh.slot(0.0), bh.slot(0.0):
+            assert bh.in_flight == 3
+
+
+async def test_bulkhead_reload_to_another_size_keeps_the_count_exact():
+    bh = Bulkhead(BulkheadPolicy(max_concurrent=1, queue_timeout=1.0))
+    async with bh.slot(0.0):
+        bh.update_policy(BulkheadPolicy(max_concurrent=3, queue_timeout=1.0))
+        async with bh.slot(0.0), bh.slot(0.0), bh.slot(0.0):
+            assert bh.in_flight == 4  # one from the old size, three of the new
+    assert bh.in_flight == 0
+
+
+# -- the pool: a woken waiter that is cancelled hands the wake-up on -------------------------------
+
+
+async def test_pool_woken_waiter_cancelled_hands_the_connection_on():
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                await read_request(r)
+                w.write(OK)
+                await w.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    loop = asyncio.get_running_loop()
+    pool = Pool(
+        loop,
+        "127.0.0.1",
+        port,
+        UpstreamPool(max_connections=1, wait_timeout=5.0, connect_timeout=1.0, idle_timeout=4.0),
+    )
+    try:
+        conn = await pool.acquire(1.0)
+        first = asyncio.create_task(pool.acquire(5.0))
+        second = asyncio.create_task(pool.acquire(5.0))
+        await asyncio.sleep(0.01)
+        # conn ended cleanly: release wakes `first`; cancel `first` in the same turn.
+        conn.begin(False)
+        conn.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await conn.wait_head(1.0)
+        assert await conn.read_chunk(1.0) == b"ok"
+        pool.release(conn)
+        first.cancel()
+        async with asyncio.timeout(2):  # `second` gets the connection, not its wait_timeout
+            got = await second
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        pool.release(got)
+        assert pool.stats().waiting == 0
+    finally:
+        pool.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_pool_wait_is_bounded_by_the_attempt_time_left():
+    loop = asyncio.get_running_loop()
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # type: ignore[arg-type,return-value]
+    port = server.sockets[0].getsockname()[1]
+    pool = Pool(
+        loop,
+        "127.0.0.1",
+        port,
+        UpstreamPool(max_connections=1, wait_timeout=30.0, connect_timeout=1.0, idle_timeout=4.0),
+    )
+    try:
+        conn = await pool.acquire(1.0)
+        with pytest.raises(PoolExhausted):
+            async with asyncio.timeout(5):  # would be 30 s if the wait ignored the time left
+                await pool.acquire(0.05)
+        conn.abort()
+        pool.release(conn)
+    finally:
+        pool.close()
+        server.close()
+        await server.wait_closed()
+
+
+# -- the breaker: neutral verdicts, probes that never reached the upstream -------------------------
+
+
+def _open_breaker() -> Breaker:
+    b = Breaker(
+        BreakerPolicy(
+            failure_ratio=0.5, min_sequences=2, window=10.0, open_for=1.0, half_open_probes=1
+        )
+    )
+    b.record(0.0, Verdict.FAILURE, probe=False)
+    b.record(0.1, Verdict.FAILURE, probe=False)
+    assert b.state is State.OPEN
+    return b
+
+
+def test_a_neutral_probe_hands_its_slot_back_and_decides_nothing():
+    b = _open_breaker()
+    adm = b.admit(2.0)
+    assert isinstance(adm, Admitted) and adm.probe
+    assert isinstance(b.admit(2.0), Rejected)  # the one probe slot is taken
+    b.record(2.1, Verdict.NEUTRAL, probe=True)
+    assert b.state is State.HALF_OPEN  # not closed by a probe that never reached upstream
+    adm2 = b.admit(2.2)
+    assert isinstance(adm2, Admitted) and adm2.probe  # the slot came back
+    b.record(2.3, Verdict.FAILURE, probe=True)
+    assert b.state is State.OPEN
+
+
+def test_neutral_sequences_do_not_count_in_the_window():
+    b = Breaker(BreakerPolicy(min_sequences=2, failure_ratio=0.5, window=10.0))
+    for i in range(10):
+        b.record(float(i) / 10, Verdict.NEUTRAL, probe=False)
+    assert b.counts(1.0) == (0, 0)
+    assert b.state is State.CLOSED
+
+
+async def test_probe_answered_413_by_the_sidecar_does_not_close_the_breaker(
+    upstream_factory, sidecar_factory, client
+):
+    up = await upstream_factory(reply(503))
+    sc = await sidecar_factory(
+        routes_yaml(
+            up.url,
+            "    retry: {attempts: 1, max_body_bytes: 16}\n"
+            "    breaker: {min_sequences: 2, failure_ratio: 0.5, open_for: 200ms,"
+            " half_open_probes: 1}\n",
+            top_extra="limits: {max_request_body: 64}",
+        )
+    )
+    for _ in range(2):
+        async with client.get(sc.url + "/x") as r:
+            assert r.status == 503
+    breaker = sc.sidecar.states.get("main").breaker
+    assert breaker.state is State.OPEN
+    await asyncio.sleep(0.3)
+
+    async def too_big():  # chunked, so the 413 comes while streaming, after admission
+        yield b"x" * 40
+        yield b"y" * 40
+
+    async with client.post(sc.url + "/x", data=too_big()) as r:
+        assert r.status == 413
+    assert breaker.state is State.HALF_OPEN  # the probe said nothing either way
+    async with client.get(sc.url + "/x") as r:  # the next request is the probe
+        assert r.status == 503
+        assert r.headers["x-retry-fate"] != "breaker-open"
+    assert breaker.state is State.OPEN
+
+
+async def test_an_error_after_admission_does_not_wedge_the_breaker_half_open(
+    upstream_factory, sidecar_factory, client, monkeypatch
+):
+    up = await upstream_factory(reply(503), reply(503), reply(200))
+    sc = await sidecar_factory(
+        routes_yaml(
+            up.url,
+            "    retry: {attempts: 1}\n"
+            "    breaker: {min_sequences: 2, failure_ratio: 0.5, open_for: 100ms,"
+            " half_open_probes: 1}\n",
+        )
+    )
+    for _ in range(2):
+        async with client.get(sc.url + "/x") as r:
+            assert r.status == 503
+    state = sc.sidecar.states.get("main")
+    assert state.breaker.state is State.OPEN
+    await asyncio.sleep(0.2)
+
+    def boom(now: float) -> None:
+        raise RuntimeError("a bug between admission and the guarded block")
+
+    monkeypatch.setattr(state.budget, "record_request", boom)
+    async with client.get(sc.url + "/x") as r:
+        assert r.status == 502  # the handler's internal-error answer
+    monkeypatch.undo()
+    async with client.get(sc.url + "/x") as r:  # the probe slot was handed back
+        assert r.status == 200
+    assert state.breaker.state is State.CLOSED
+    assert state.bulkhead.in_flight == 0
+
+
+async def test_aborted_uploads_are_not_upstream_resets(upstream_factory, sidecar_factory):
+    up = await upstream_factory(reply(200))
+    sc = await sidecar_factory(
+        routes_yaml(
+            up.url,
+            "    retry: {max_body_bytes: 16}\n"
+            "    breaker: {min_sequences: 3, failure_ratio: 0.5}\n",
+        )
+    )
+    for _ in range(5):
+        _r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+        w.write(b"POST /up HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n" + b"a" * 5000)
+        await w.drain()
+        await asyncio.sleep(0.1)
+        w.transport.abort()  # the client leaves half-way through its upload
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)
+    state = sc.sidecar.states.get("main")
+    assert state.breaker.state is State.CLOSED
+    assert state.breaker.counts(sc.sidecar.clock.monotonic()) == (0, 0)
+    assert state.bulkhead.in_flight == 0
+    resets = [e for e in sc.recorder.attempts if e.outcome == "reset"]
+    assert resets == []
+    gone = [e for e in sc.recorder.sequences if e.fate == "client-gone"]
+    assert len(gone) == 5
+
+
+# -- the client leaving cancels the work ----------------------------------------------------------
+
+
+async def test_a_client_that_leaves_stops_its_retries(upstream_factory, sidecar_factory):
+    up = await upstream_factory(reply(503, headers={"Retry-After": "1"}))
+    sc = await sidecar_factory(routes_yaml(up.url, "    retry: {attempts: 5}\n"))
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(asyncio.TimeoutError):
+            async with s.get(sc.url + "/x", timeout=aiohttp.ClientTimeout(total=0.3)):
+                pass
+    await asyncio.sleep(1.5)  # a Retry-After wait would have sent attempt 2 by now
+    assert len(up.seen) == 1
+    assert [e.fate for e in sc.recorder.sequences] == ["client-gone"]
+    state = sc.sidecar.states.get("main")
+    assert state.bulkhead.in_flight == 0
+    assert state.breaker.counts(sc.sidecar.clock.monotonic()) == (0, 0)  # neutral
+    text = sc.sidecar.metrics.render()
+    assert 'retry_sidecar_requests_total{route="main",fate="client-gone"} 1' in text
+
+
+async def test_a_client_that_leaves_mid_attempt_frees_the_upstream_connection(
+    upstream_factory, sidecar_factory
+):
+    up = await upstream_factory(hang(5.0))
+    sc = await sidecar_factory(routes_yaml(up.url))
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(asyncio.TimeoutError):
+            async with s.get(sc.url + "/x", timeout=aiohttp.ClientTimeout(total=0.3)):
+                pass
+    await asyncio.sleep(0.2)
+    stats = sc.sidecar.client.stats()
+    assert all(p.total == 0 for p in stats.values()), stats  # aborted, not kept busy
+    assert sc.sidecar.states.get("main").bulkhead.in_flight == 0
+
+
+# -- the deadline bounds every wait ---------------------------------------------------------------
+
+
+async def test_the_bulkhead_wait_is_charged_to_the_deadline(upstream_factory, sidecar_factory):
+    up = await upstream_factory(hang(1.0))
+    sc = await sidecar_factory(
+        routes_yaml(
+            up.url,
+            "    timeout: 5s\n"
+            "    retry: {attempts: 1, per_try_timeout: 5s}\n"
+            "    bulkhead: {max_concurrent: 1, queue_timeout: 5s}\n",
+        )
+    )
+    async with aiohttp.ClientSession() as s:
+
+        async def get(headers: dict[str, str]) -> tuple[int, str]:
+            async with s.get(sc.url + "/x", headers=headers) as r:
+                return r.status, r.headers["x-retry-fate"]
+
+        first = asyncio.create_task(get({}))  # holds the only slot for 1 s
+        await asyncio.sleep(0.05)
+        # 200 ms of deadline left, a 5 s queue timeout: the deadline ends the wait.
+        second = await get({"x-request-timeout-ms": "200"})
+        assert second == (504, "deadline")
+        assert (await first) == (200, "success")
+    assert len(up.seen) == 1  # the second request never reached the upstream
+    state = sc.sidecar.states.get("main")
+    assert state.bulkhead.in_flight == 0
+    # the waiter that never reached the upstream says nothing to the breaker
+    assert state.breaker.counts(sc.sidecar.clock.monotonic()) == (1, 0)
+
+
+# -- the send timeout: a client that stops reading ------------------------------------------------
+
+
+async def test_a_client_that_stops_reading_is_cut_and_gives_everything_back(
+    upstream_factory, sidecar_factory
+):
+    big = b"z" * (8 * 1024 * 1024)
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Length": str(len(big))})
+        await resp.prepare(request)
+        for i in range(0, len(big), 65536):
+            await resp.write(big[i : i + 65536])
+        return resp
+
+    up = await upstream_factory(stream)
+    sc = await sidecar_factory(routes_yaml(up.url, top_extra="limits: {send_timeout: 300ms}"))
+    sock = socket.create_connection(("127.0.0.1", sc.sidecar.proxy_port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+    try:
+        state = sc.sidecar.states.get("main")
+        for _ in range(100):  # the relay starts, fills the socket, then is cut
+            await asyncio.sleep(0.05)
+            if state.bulkhead.in_flight == 0 and len(up.seen) == 1:
+                break
+        await asyncio.sleep(0.5)
+        assert state.bulkhead.in_flight == 0
+        stats = sc.sidecar.client.stats()
+        assert all(p.total == p.idle for p in stats.values()), stats
+        assert 'reason="send-timeout"} 1' in sc.sidecar.metrics.render()
+    finally:
+        sock.close()
+
+
+# -- smaller defects ------------------------------------------------------------------------------
+
+
+async def test_an_empty_idempotency_key_is_no_key(upstream_factory, sidecar_factory, client):
+    up = await upstream_factory(reply(503))
+    sc = await sidecar_factory(routes_yaml(up.url))
+    async with client.post(sc.url + "/x", data=b"{}", headers={"Idempotency-Key": ""}) as r:
+        assert r.status == 503
+        assert r.headers["x-retry-fate"] == "non-idempotent"
+    assert len(up.seen) == 1
+
+
+def test_ipv4_mapped_peers_match_ipv4_trusted_peers():
+    import ipaddress
+
+    nets = (ipaddress.ip_network("127.0.0.0/8"),)
+    assert is_trusted("::ffff:127.0.0.1", nets)
+    assert not is_trusted("::ffff:10.0.0.1", nets)
+
+
+@pytest.mark.parametrize("code", [200, 204, 301, 101])
+def test_retry_on_refuses_statuses_that_are_not_errors(code: int):
+    text = routes_yaml("http://127.0.0.1:1", f"    retry: {{retry_on: [reset, {code}]}}\n")
+    with pytest.raises(ConfigError) as e:
+        parse_text(text, "p.yaml")
+    assert "routes[0].retry.retry_on" in str(e.value)
+
+
+async def test_timed_out_request_heads_log_no_traceback(sidecar_factory, caplog):
+    sc = await sidecar_factory(
+        routes_yaml("http://127.0.0.1:9", top_extra="limits: {header_timeout: 200ms}")
+    )
+    caplog.set_level(logging.DEBUG)
+    conns = []
+    for _ in range(20):
+        r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+        w.write(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        conns.append((r, w))
+    for r, _w in conns:
+        head = await asyncio.wait_for(r.read(), 5)
+        assert head.startswith(b"HTTP/1.1 408")
+    assert not [rec for rec in caplog.records if rec.exc_info or rec.levelno >= logging.ERROR]
+
+
+async def test_an_upstream_dying_mid_body_is_a_failed_sequence(sidecar_factory):
+    from tests.faults import reset_mid_body
+
+    server = await asyncio.start_server(reset_mid_body, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        sc = await sidecar_factory(routes_yaml(f"http://127.0.0.1:{port}"))
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async with s.get(sc.url + "/x") as r:
+                    assert r.status == 200
+                    await r.read()
+        await asyncio.sleep(0.1)
+        state = sc.sidecar.states.get("main")
+        assert state.breaker.counts(sc.sidecar.clock.monotonic()) == (1, 1)
+        assert state.bulkhead.in_flight == 0
+        assert all(p.total == 0 for p in sc.sidecar.client.stats().values())
+    finally:
+        server.close()
+        await server.wait_closed()
