@@ -27,9 +27,11 @@ from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.respond import (
     MESSAGES,
     ProxyResponse,
+    SidecarResponse,
     client_error,
     interim_head,
     proxy_error,
+    proxy_status,
 )
 from sidecar.proxy.routing import Refused, find_route, origin_form, request_target
 from sidecar.proxy.server import GuardedRequestHandler
@@ -532,12 +534,14 @@ def _dlq_headers(resp: web.StreamResponse, captured: Captured | None) -> None:
 
 
 def accepted(record_id: str, fate: Fate, attempts: int) -> web.Response:
-    """``respond: accepted``: 202 only once the record is durable on disk."""
-    return web.Response(
+    """``respond: accepted``: 202 only once the record is durable on disk. Made by the sidecar
+    itself, so it names itself in Proxy-Status (no error) and carries no Server banner."""
+    return SidecarResponse(
         status=202,
         body=json.dumps({"dlq_id": record_id}).encode(),
         headers={
             "Content-Type": "application/json",
+            "Proxy-Status": proxy_status(),
             "x-retry-attempts": str(attempts),
             "x-retry-fate": fate.value,
             "x-retry-dlq": "stored",
