@@ -217,7 +217,7 @@ async def test_connection_naming_host_does_not_remove_it(upstream_factory, sidec
     assert up.seen[0].all("Host") == ["app.example"]
 
 
-@pytest.mark.parametrize("status", [b"000", b"099", b"600", b"999"])
+@pytest.mark.parametrize("status", [b"000", b"099", b"101", b"600", b"999"])
 async def test_invalid_status_codes_are_a_bad_response_never_retried(sidecar_factory, status):
     handler = counting(_answer(b"HTTP/1.1 " + status + b" X\r\nContent-Length: 2\r\n\r\nok"))
     async with raw_server(handler) as port:
@@ -228,7 +228,8 @@ async def test_invalid_status_codes_are_a_bad_response_never_retried(sidecar_fac
     line, headers, _ = split(out)
     assert line.startswith(b"HTTP/1.1 502")
     assert b"x-retry-proxy-error: bad-response" in headers
-    assert b"Proxy-Status: retry-sidecar; error=http_protocol_error" in headers
+    error = b"http_upgrade_failed" if status == b"101" else b"http_protocol_error"
+    assert b"Proxy-Status: retry-sidecar; error=" + error in headers
     assert b"x-retry-attempts: 1" in headers and handler.connections == 1
     assert [a.outcome for a in sc.recorder.attempts] == ["bad-response"]
 
@@ -362,7 +363,9 @@ async def test_1xx_responses_are_relayed_in_order_to_http11_clients_only(sidecar
         out = await raw_request(
             sc.sidecar.proxy_port, b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
         )
-        assert out.startswith(b"HTTP/1.1 103 \r\nLink: </s.css>; rel=preload\r\n\r\nHTTP/1.1 200")
+        assert out.startswith(
+            b"HTTP/1.1 103 Early Hints\r\nLink: </s.css>; rel=preload\r\n\r\nHTTP/1.1 200"
+        )
         out10 = await raw_request(sc.sidecar.proxy_port, b"GET / HTTP/1.0\r\nHost: a\r\n\r\n")
         assert out10.startswith(b"HTTP/1.0 200")
 

@@ -13,6 +13,7 @@ The sidecar's own answers carry ``x-retry-proxy-error`` and the standard ``Proxy
 from __future__ import annotations
 
 import json
+from http import HTTPStatus
 
 from aiohttp import web
 from aiohttp.http import HttpVersion10
@@ -116,8 +117,13 @@ class ProxyResponse(web.StreamResponse):
 
 
 def interim_head(status: int, headers: RawHeaders) -> bytes:
-    """A 1xx response, relayed byte for byte (reason phrase not copied, as for final ones)."""
-    parts = [b"HTTP/1.1 %d \r\n" % status]
+    """A 1xx response, its headers relayed byte for byte; the reason phrase is the standard
+    one (not copied, as for final responses)."""
+    try:
+        reason = HTTPStatus(status).phrase.encode()
+    except ValueError:
+        reason = b""
+    parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
     parts.extend(k + b": " + v + b"\r\n" for k, v in headers)
     parts.append(b"\r\n")
     return b"".join(parts)

@@ -135,7 +135,7 @@ class Connection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(
-                BadResponse("upstream tried to upgrade the connection", "http_protocol_error")
+                BadResponse("upstream tried to upgrade the connection", "http_upgrade_failed")
             )
             self.close()
         except httptools.HttpParserCallbackError as exc:
@@ -207,6 +207,9 @@ class Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
+        if status == 101:
+            # Upgrade is hop-by-hop and never sent upstream: a switch is not ours to relay.
+            raise BadResponse("upstream switched protocols unasked", "http_upgrade_failed")
         if 100 <= status < 200:
             # Interim: the final response follows on the same connection. 100 Continue is
             # dropped (the sidecar answers Expect itself and never sends one upstream).
