@@ -97,20 +97,24 @@ class ProxyResponse(web.StreamResponse):
         writer = self._payload_writer
         assert req is not None and writer is not None
         version = req.version
-        parts = [
-            b"HTTP/%d.%d %d %s\r\n"
-            % (version.major, version.minor, self._status, self._reason.encode("latin-1"))
-        ]
-        parts.extend(k + b": " + v + b"\r\n" for k, v in self._raw)
         headers = self._headers
-        for name in ("Transfer-Encoding", "Connection"):
-            value = headers.get(name)
-            if value is not None:
-                parts.append(b"%s: %s\r\n" % (name.encode(), value.encode("latin-1")))
-        parts.extend(k + b": " + v + b"\r\n" for k, v in self._own)
-        parts.append(b"\r\n")
+        framing = b"".join(
+            b"%s: %s\r\n" % (name.encode(), value.encode("latin-1"))
+            for name in ("Transfer-Encoding", "Connection")
+            if (value := headers.get(name)) is not None
+        )
+        head = b"".join(
+            [
+                b"HTTP/%d.%d %d %s\r\n"
+                % (version.major, version.minor, self._status, self._reason.encode("latin-1")),
+                *[k + b": " + v + b"\r\n" for k, v in self._raw],
+                framing,
+                *[k + b": " + v + b"\r\n" for k, v in self._own],
+                b"\r\n",
+            ]
+        )
         # aiohttp's writer sends this buffer with the first body bytes (or at once below).
-        writer._headers_buf = b"".join(parts)  # type: ignore[attr-defined]
+        writer._headers_buf = head  # type: ignore[attr-defined]
         writer._headers_written = False  # type: ignore[attr-defined]
         if self._send_headers_immediately:
             writer.send_headers()

@@ -42,12 +42,8 @@ class UpstreamResponse:
 
     @property
     def content_length(self) -> int | None:
-        if self.header(b"transfer-encoding") is not None:
-            return None
-        v = self.header(b"content-length")
-        if v is None or not v.strip().isdigit():
-            return None
-        return int(v)
+        """The body length the upstream announced (None when chunked or close-delimited)."""
+        return self._conn.content_length
 
     @property
     def has_body(self) -> bool:

@@ -54,6 +54,7 @@ class Connection(asyncio.Protocol):
         "_waiter",
         "_write_paused",
         "body",
+        "content_length",
         "eof_delimited",
         "error",
         "extra_data",
@@ -86,6 +87,7 @@ class Connection(asyncio.Protocol):
         self.headers: Headers = []
         self.interim: list[tuple[int, Headers]] = []
         self.head_only = False
+        self.content_length: int | None = None  # announced by the response (not chunked)
         self.eof_delimited = False
         self.extra_data = False
         self.error: UpstreamError | None = None
@@ -225,10 +227,11 @@ class Connection(asyncio.Protocol):
             # RFC 9110 section 15: values outside 100-599 are invalid; a client must treat
             # them as a 5xx. Relaying "HTTP/1.1 0" would break clients.
             raise BadResponse(f"invalid status code {status}", "http_protocol_error")
-        framed = False
+        framed = chunked = False
+        length: int | None = None
         for name, value in self.headers:
-            lname = name.lower()
-            if lname == b"transfer-encoding":
+            n = len(name)  # compare lengths first: lower-casing every name costs
+            if n == 17 and name.lower() == b"transfer-encoding":
                 codings = [c.strip().lower() for c in value.split(b",") if c.strip()]
                 if codings != [b"chunked"]:
                     # nginx (1.23+) and Envoy refuse these too: relaying the body without its
@@ -237,9 +240,12 @@ class Connection(asyncio.Protocol):
                         f"unsupported transfer coding {value[:40]!r}",
                         "http_response_transfer_coding",
                     )
+                framed = chunked = True
+            elif n == 14 and name.lower() == b"content-length":
                 framed = True
-            elif lname == b"content-length":
-                framed = True
+                v = value.strip()
+                length = int(v) if v.isdigit() else None
+        self.content_length = None if chunked else length
         self.status = status
         if not self._parser.should_keep_alive():
             self.state.to_link(Link.MUST_CLOSE)

@@ -30,21 +30,27 @@ class IllegalTransition(RuntimeError):
     """A move the state machine does not allow (a bug in the caller)."""
 
 
-class Req(Enum):
+class _State(Enum):
+    # Members are singletons: hash by identity (C speed) instead of Enum's Python-level hash
+    # of the name; the transition tables are looked up several times per exchange.
+    __hash__ = object.__hash__
+
+
+class Req(_State):
     IDLE = "idle"
     SENDING = "sending"
     SENT = "sent"
     ABANDONED = "abandoned"
 
 
-class Resp(Enum):
+class Resp(_State):
     IDLE = "idle"
     AWAITING_HEAD = "awaiting-head"
     BODY = "body"
     DONE = "done"
 
 
-class Link(Enum):
+class Link(_State):
     OPEN = "open"
     MUST_CLOSE = "must-close"
     BROKEN = "broken"
@@ -110,11 +116,14 @@ class ConnState:
         self.link = to
 
     def begin(self) -> None:
-        """A new exchange starts on this connection."""
+        """A new exchange starts on this connection: IDLE -> SENDING and IDLE ->
+        AWAITING_HEAD, on an OPEN link only."""
         if self.req is not Req.IDLE or self.resp is not Resp.IDLE:
             raise IllegalTransition(f"exchange begun on a busy connection {self!r}")
-        self.request(Req.SENDING)
-        self.response(Resp.AWAITING_HEAD)
+        if self.link is not Link.OPEN:
+            raise IllegalTransition(f"cannot send on a {self.link.value} connection")
+        self.req = Req.SENDING
+        self.resp = Resp.AWAITING_HEAD
 
     @property
     def reusable(self) -> bool:
