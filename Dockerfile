@@ -2,9 +2,10 @@
 # retry-sidecar: multi-stage build; the runtime stage has no compilers and runs as a numeric
 # non-root user on a read-only root filesystem (only /data, the DLQ directory, is written).
 
-FROM python:3.11-slim-bookworm AS build
+# The build stage has a C compiler (the full image): the hot path is compiled with mypyc.
+FROM python:3.11-bookworm AS build
 WORKDIR /src
-COPY pyproject.toml README.md requirements.lock ./
+COPY pyproject.toml setup.py README.md requirements.lock ./
 COPY docker/install.sh docker/install.sh
 COPY sidecar ./sidecar
 # The same script the test suite runs in a fresh virtual environment.

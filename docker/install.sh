@@ -1,11 +1,22 @@
 #!/bin/sh
 # The image's install step, also run by tests/test_deploy.py in a fresh virtual environment so
 # the Dockerfile cannot rot unnoticed. Usage: docker/install.sh VENV_DIR [SOURCE_DIR]
+# The hot path is compiled with mypyc (setup.py); RETRY_SIDECAR_BUILD=pure installs the pure
+# Python build instead. mypy is needed only to build and is removed afterwards.
 set -eu
 venv="$1"
 src="${2:-.}"
+build="${RETRY_SIDECAR_BUILD:-compiled}"
+pip="$venv/bin/pip --no-cache-dir --disable-pip-version-check"
 python3 -m venv "$venv"
-"$venv/bin/pip" install --no-cache-dir --disable-pip-version-check -r "$src/requirements.lock"
-"$venv/bin/pip" install --no-cache-dir --disable-pip-version-check --no-deps "$src"
+$pip install -r "$src/requirements.lock"
+if [ "$build" = compiled ]; then
+  $pip install "setuptools>=68" wheel "mypy==2.4.1"
+  RETRY_SIDECAR_BUILD=compiled $pip install --no-build-isolation --no-deps "$src"
+  $pip uninstall -y mypy ast-serialize librt pathspec
+else
+  RETRY_SIDECAR_BUILD=pure $pip install --no-deps "$src"
+fi
 # Refuse to ship without aiohttp's C parser (its pure-Python fallback has had smuggling advisories).
 "$venv/bin/python" -c "from sidecar.app import c_parser_in_use; assert c_parser_in_use(), 'aiohttp C parser missing'"
+"$venv/bin/retry-sidecar" --version

@@ -7,19 +7,24 @@ import logging
 import os
 import random
 import sqlite3
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
 
 from sidecar.admin.auth import check_exposure, token_from_env
-from sidecar.admin.killswitch import KillSwitch
+from sidecar.admin.killswitch import KillSwitch, apply_file
+from sidecar.admin.page import PageDeps, page_routes
+from sidecar.admin.rates import RateSampler
 from sidecar.admin.server import AdminDeps, ExtraRoute, build_admin_app
+from sidecar.admin.snapshot import StatusSources
 from sidecar.config.model import Config
 from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader, ReloadResult
 from sidecar.core import Clock
-from sidecar.dlq.admin import dlq_routes, no_dlq_routes
+from sidecar.dlq.admin import dlq_routes
+from sidecar.dlq.figures import DlqFigures
+from sidecar.dlq.redrive import Redrive, prune
 from sidecar.dlq.replay import Replayer
 from sidecar.dlq.store import DlqStore
 from sidecar.engine.routestate import RouteStates
@@ -36,6 +41,28 @@ from sidecar.upstream.client import UpstreamClient
 from sidecar.upstream.pool import PoolSettings
 
 log = logging.getLogger("sidecar")
+
+
+class DrainingRunner(web.ServerRunner):
+    """aiohttp's runner, with the drain time read when the drain starts rather than when the
+    runner was built, so that a reloaded ``drain_timeout`` applies to the next shutdown."""
+
+    def __init__(self, server: SidecarServer, drain_timeout: Callable[[], float]) -> None:
+        super().__init__(server, handle_signals=False, shutdown_timeout=drain_timeout())
+        self._drain_timeout = drain_timeout
+
+    async def cleanup(self) -> None:
+        # aiohttp keeps the value in BaseRunner._shutdown_timeout (its only setting for it)
+        # and reads it in cleanup(); there is no public setter.
+        self._shutdown_timeout = self._drain_timeout()
+        await super().cleanup()
+
+
+def _close_opened(fut: asyncio.Future[DlqStore | None]) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        store = fut.result()
+        if store is not None:
+            store.close()
 
 
 def c_parser_in_use() -> bool:
@@ -66,6 +93,7 @@ class Sidecar:
         self.states = RouteStates(self._on_breaker_transition)
         self.states.sync(config)
         self.kill = KillSwitch()
+        apply_file(self.kill, config, self.clock.monotonic(), self.clock.wall())
         self.life = Lifecycle()
         self.client = UpstreamClient(pool or config.upstream_pool)
         self.tracing = tracing or Tracing(None)
@@ -91,13 +119,35 @@ class Sidecar:
         self.admin_extra: list[ExtraRoute] = []
         self.dlq: DlqStore | None = None
         self.replayer: Replayer | None = None
+        self.redrive: Redrive | None = None
+        # The DLQ file is the one the process started with (dlq.path is restart-only), even
+        # when a reload is what first enables a DLQ route and opens it.
+        self._dlq_path = config.dlq.path
+        self._dlq_opening: asyncio.Lock | None = None
         self.dlq_max_page_count: int | None = None  # tests: a real SQLITE_FULL
+        self.dlq_busy_timeout_ms = 5000  # tests: a lock held elsewhere fails sooner
+        self._proxy_server: SidecarServer | None = None
         self._proxy_runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self.proxy_port = 0
         self.admin_port = 0
         self._wire_gauges()
+        self.rates = RateSampler(self.metrics, self.clock)  # for the status page
+        self.status = StatusSources(
+            store=self.store,
+            reloader=self.reloader,
+            kill=self.kill,
+            states=self.states,
+            metrics=self.metrics,
+            clock=self.clock,
+            life=self.life,
+            rates=self.rates,
+            stats=self.process_stats,
+            dlq=DlqFigures(lambda: self.dlq),
+            started_mono=self.clock.monotonic(),
+            started_wall=self.clock.wall(),
+        )
 
     # -- state hooks -------------------------------------------------------------------------
 
@@ -128,19 +178,22 @@ class Sidecar:
                 out[(("scope", scope),)] = 1.0
             return out
 
+        # The DLQ gauges read what the store's writer thread last published: a scrape never
+        # runs a query on the event loop.
         def dlq_records() -> dict[Labels, float]:
             if self.dlq is None:
                 return {}
+            counts = self.dlq.counts.by_status
             return {
-                (("status", st),): float(self.dlq.by_status.get(st, 0))
+                (("status", st),): float(counts.get(st, 0))
                 for st in ("pending", "delivered", "parked")
             }
 
         def dlq_oldest() -> dict[Labels, float]:
-            if self.dlq is None or not self.dlq.by_status.get("pending"):
-                return {(): 0.0} if self.dlq is not None else {}
-            oldest = self.dlq.oldest_pending_sync()
-            return {(): max(0.0, self.clock.wall() - oldest) if oldest else 0.0}
+            if self.dlq is None:
+                return {}
+            oldest = self.dlq.counts.oldest_pending
+            return {(): max(0.0, self.clock.wall() - oldest) if oldest is not None else 0.0}
 
         self.metrics.dlq_records.collect = dlq_records
         self.metrics.dlq_oldest.collect = dlq_oldest
@@ -153,11 +206,20 @@ class Sidecar:
         self.events.sinks.append(sink)
 
     def apply(self, config: Config) -> None:
-        """Swap in a new, already validated config. Route state is kept by name."""
+        """Swap in a new, already validated config. Route state is kept by name; the DLQ's
+        bounds apply to the next record; drain_timeout to the next drain. A reload that is the
+        first to enable a DLQ route opens the DLQ file (the one the process started with)."""
         self.states.sync(config)
         self.store.swap(config)
-        if self.dlq is None and any(r.dlq.enabled for r in config.routes):
-            log.warning("a route enabled the DLQ; restart to open it at %s", config.dlq.path)
+        apply_file(self.kill, config, self.clock.monotonic(), self.clock.wall())
+        if self.dlq is not None:
+            self.dlq.set_limits(config.dlq.max_records, config.dlq.max_bytes)
+        elif (
+            any(r.dlq.enabled for r in config.routes)
+            and self._dlq_opening is not None
+            and "dlq-open" not in self._tasks
+        ):
+            self.spawn("dlq-open", self._open_dlq_now())
 
     def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Start a named background task that is kept and cancelled on shutdown."""
@@ -177,36 +239,66 @@ class Sidecar:
     def _dlq_wanted(self, config: Config) -> bool:
         """The DLQ file is opened only when a route uses it or it already exists: nothing is
         written outside the paths the config names, and nothing at all when unused."""
-        return any(r.dlq.enabled for r in config.routes) or os.path.exists(config.dlq.path)
+        return any(r.dlq.enabled for r in config.routes) or os.path.exists(self._dlq_path)
 
-    def _open_dlq(self, config: Config) -> None:
+    def _open_dlq(self, config: Config) -> DlqStore | None:
+        """In a worker thread: open (check, create, migrate) the DLQ file."""
         store = DlqStore(
-            config.dlq.path,
+            self._dlq_path,
             config.dlq.max_records,
             config.dlq.max_bytes,
             max_page_count=self.dlq_max_page_count,
+            busy_timeout_ms=self.dlq_busy_timeout_ms,
         )
         try:
             store.open()
         except (OSError, sqlite3.Error) as exc:
             # The proxy keeps serving; failed writes get x-retry-dlq: unavailable.
-            log.error("cannot open the DLQ at %s: %s", config.dlq.path, exc)
-            return
-        self.dlq = store
-        self.deps.dlq = store
-        self.replayer = Replayer(store, self.deps, lambda: self.store.current)
+            log.error("cannot open the DLQ at %s: %s", self._dlq_path, exc)
+            return None
+        return store
+
+    async def _open_dlq_now(self) -> None:
+        """Open the DLQ and start its background work (at start, or on the first reload that
+        enables a DLQ route)."""
+        assert self._dlq_opening is not None
+        async with self._dlq_opening:
+            if self.dlq is not None:
+                return
+            opening = asyncio.ensure_future(asyncio.to_thread(self._open_dlq, self.store.current))
+            try:
+                store = await asyncio.shield(opening)
+            except asyncio.CancelledError:
+                # Shut down while the thread opens it: whatever it opens is closed again.
+                opening.add_done_callback(_close_opened)
+                raise
+            if store is None:
+                return
+            if self.life.draining:
+                await asyncio.to_thread(store.close)
+                return
+            self.dlq = store
+            self.deps.dlq = store
+            self.replayer = Replayer(store, self.deps, lambda: self.store.current)
+            self.redrive = Redrive(self.replayer, lambda: self.store.current, self.life)
+            self.spawn("dlq-redrive", self.redrive.run())
+            self.spawn("dlq-prune", prune(store))
+            log.info("DLQ open at %s", self._dlq_path)
+
+    def _dlq_open(self) -> tuple[DlqStore, Replayer] | None:
+        if self.dlq is None or self.replayer is None:
+            return None
+        return self.dlq, self.replayer
 
     async def start(self) -> None:
         config = self.store.current
         token = token_from_env(config.admin)
         check_exposure(config.admin, token)
+        self._dlq_opening = asyncio.Lock()
         if self._dlq_wanted(config):
-            await asyncio.to_thread(self._open_dlq, config)
+            await self._open_dlq_now()
         # The DLQ endpoints exist even when no DLQ is open (they answer 503 then).
-        if self.dlq is not None and self.replayer is not None:
-            self.admin_extra.extend(dlq_routes(self.dlq, self.replayer))
-        else:
-            self.admin_extra.extend(no_dlq_routes(config.dlq.path))
+        self.admin_extra.extend(dlq_routes(self._dlq_open, lambda: self._dlq_path))
 
         server = SidecarServer(
             ProxyHandler(self.deps),
@@ -216,19 +308,19 @@ class Sidecar:
             # wait runs for nobody (nginx's proxy_ignore_client_abort off).
             handler_cancellation=True,
             on_malformed=self.deps.malformed,
-            auto_decompress=False,  # bodies pass through byte-identical (DESIGN.md section 8)
+            auto_decompress=False,  # bodies pass through byte-identical, gzip stays gzip
             access_log=None,
             keepalive_timeout=config.limits.keepalive_timeout,
         )
-        runner = web.ServerRunner(
-            server, handle_signals=False, shutdown_timeout=config.drain_timeout
-        )
+        runner = DrainingRunner(server, lambda: self.store.current.drain_timeout)
         await runner.setup()
         site = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_address=True)
         await site.start()
+        self._proxy_server = server
         self._proxy_runner = runner
         self.proxy_port = int(runner.addresses[0][1])
 
+        page_gets, page_forms = page_routes(PageDeps(self.status, token, lambda: self.replayer))
         admin_app = build_admin_app(
             AdminDeps(
                 store=self.store,
@@ -241,7 +333,8 @@ class Sidecar:
                 token=token,
                 stats=self.process_stats,
             ),
-            self.admin_extra,
+            self.admin_extra + page_gets,
+            page_forms,
         )
         arunner = web.AppRunner(admin_app, access_log=None, shutdown_timeout=1.0)
         await arunner.setup()
@@ -257,11 +350,9 @@ class Sidecar:
         self._admin_runner = arunner
         self.admin_port = int(arunner.addresses[0][1])
 
+        self.spawn("status-rates", self.rates.run())
         if self.reloader is not None:
             self.spawn("config-watch", self.reloader.watch(self.watch_interval))
-        if self.replayer is not None:
-            self.spawn("dlq-redrive", self.replayer.redrive_loop())
-            self.spawn("dlq-prune", self.replayer.prune_loop())
         self.life.ready = True
         log.info(
             "proxy listening on %s:%d, admin on %s:%d, %d routes",
@@ -317,6 +408,9 @@ class Sidecar:
             "rss_bytes": rss,
             "open_fds": fds,
             "asyncio_tasks": len(asyncio.all_tasks()),
+            "client_connections": (
+                len(self._proxy_server.connections) if self._proxy_server is not None else None
+            ),
             "background_tasks": self.task_names(),
             "pool": {
                 k: {"total": v.total, "idle": v.idle, "waiting": v.waiting}

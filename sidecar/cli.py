@@ -1,4 +1,5 @@
-"""The ``retry-sidecar`` command line (DESIGN.md section 6)."""
+"""The ``retry-sidecar`` command line: run, validate, explain, demo, and the verbs that talk to a
+running sidecar's admin API (healthcheck, status, killswitch, dlq)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from sidecar import __version__
+from sidecar import __version__, build
 from sidecar.config.errors import ConfigError
 from sidecar.config.model import Config
 from sidecar.config.parse import parse_file
@@ -50,6 +51,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     config = _parse_or_print(args.path or args.config or default_config_path())
     if config is None:
         return 1
+    import time
+
+    from sidecar.config.killswitches import expired, expired_warning
+
+    for e in expired(config.killswitches, time.time()):  # valid, but ignored when loaded
+        print(expired_warning(config.source, e), file=sys.stderr)
     n = len(config.routes)
     print(f"OK: {n} route{'s' if n != 1 else ''}")
     return 0
@@ -107,6 +114,7 @@ def cmd_dlq(args: argparse.Namespace) -> int:
                 ("status", args.status),
                 ("limit", args.limit),
                 ("order", args.order),
+                ("cursor", args.cursor),
             )
             if v
         }
@@ -135,10 +143,29 @@ def cmd_dlq(args: argparse.Namespace) -> int:
                 f"{r['fate']:<18} replays={r['replays']}  {r['created_at']}  {r['target']}"
             )
         if body.get("next"):
-            print(f"(more: --cursor {body['next']})")
+            print(f"(more: the same command with --cursor {body['next']})")
     else:
         print(_json.dumps(body, indent=2))
     return 0 if 200 <= status < 300 else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from sidecar.admin.verbs import cmd_status as status
+
+    return status(_admin_target(args), args.window, args.json)
+
+
+def cmd_killswitch(args: argparse.Namespace) -> int:
+    from sidecar.admin.verbs import cmd_killswitch as killswitch
+
+    return killswitch(
+        _admin_target(args),
+        args.ks_verb,
+        getattr(args, "scope", None),
+        getattr(args, "ttl", None),
+        getattr(args, "reason", None),
+        getattr(args, "json", False),
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -203,7 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="retry-sidecar", description="An HTTP reverse proxy that does retries right."
     )
-    p.add_argument("--version", action="version", version=f"retry-sidecar {__version__}")
+    p.add_argument(
+        "--version",
+        action="version",
+        version=f"retry-sidecar {__version__} ({build()} build)",
+    )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--config",
@@ -243,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("--status", choices=["pending", "delivered", "parked"])
     dl.add_argument("--limit")
     dl.add_argument("--order", choices=["newest", "oldest"])
+    dl.add_argument("--cursor", help="the next page: the value a previous page printed")
     dl.add_argument("--json", action="store_true", help="print the raw JSON")
     ds = dsub.add_parser("show", parents=[common, admin_common], help="one record with its body")
     ds.add_argument("id")
@@ -257,6 +289,29 @@ def build_parser() -> argparse.ArgumentParser:
     dp = dsub.add_parser("purge", parents=[common, admin_common], help="delete one record")
     dp.add_argument("id")
     dlq.set_defaults(func=cmd_dlq)
+
+    st = sub.add_parser(
+        "status",
+        parents=[common, admin_common],
+        help="per route: traffic, fates, breaker, budget, kill switches, DLQ (a table)",
+    )
+    st.add_argument("--window", choices=["10s", "1m", "5m"], default="1m")
+    st.add_argument("--json", action="store_true", help="print the raw JSON")
+    st.set_defaults(func=cmd_status)
+
+    ks = sub.add_parser("killswitch", help="list, set or lift kill switches (retries off)")
+    kssub = ks.add_subparsers(dest="ks_verb", required=True)
+    ksl = kssub.add_parser("list", parents=[common, admin_common], help="active switches")
+    ksl.add_argument("--json", action="store_true", help="print the raw JSON")
+    kss = kssub.add_parser(
+        "set", parents=[common, admin_common], help="retries off for a scope, for a while"
+    )
+    kss.add_argument("scope", help='"global" or "route:<name>"')
+    kss.add_argument("--ttl", required=True, help="how long, e.g. 15m (at most 24h)")
+    kss.add_argument("--reason", required=True, help="why; shown on the page and logged")
+    ksf = kssub.add_parser("lift", parents=[common, admin_common], help="lift a switch early")
+    ksf.add_argument("scope")
+    ks.set_defaults(func=cmd_killswitch)
 
     exp = sub.add_parser(
         "explain", parents=[common], help="worst cases per route: attempts, time, load"

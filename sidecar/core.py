@@ -9,6 +9,9 @@ from __future__ import annotations
 import socket
 import time
 from enum import Enum, StrEnum
+from typing import ClassVar
+
+from mypy_extensions import mypyc_attr
 
 
 class Fate(StrEnum):
@@ -49,6 +52,7 @@ class Verdict(Enum):
     # left, or the sequence was cut short locally; a half-open probe slot is handed back
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests subclass it (FakeClock)
 class Clock:
     """Monotonic time for deadlines and wall time for Retry-After dates and records."""
 
@@ -62,12 +66,19 @@ class Clock:
 class UpstreamError(Exception):
     """An attempt failed on the wire. Raised by the upstream client, judged by the retry rules."""
 
-    kind: OutcomeKind = OutcomeKind.RESET
-    code: str = "upstream-reset"  # the x-retry-proxy-error value when the sidecar answers
-    status: int = 502
-    reached_upstream: bool = True  # may bytes of the request have reached the upstream?
-    # The RFC 9209 Proxy-Status error type of the answer the sidecar makes from this error.
-    proxy_status: str = "connection_terminated"
+    # Class-level facts of each error type (ClassVar: compiled with mypyc they stay class
+    # attributes, overridden by the subclasses below).
+    kind: ClassVar[OutcomeKind] = OutcomeKind.RESET
+    code: ClassVar[str] = "upstream-reset"  # the x-retry-proxy-error value when the sidecar answers
+    status: ClassVar[int] = 502
+    reached_upstream: ClassVar[bool] = True  # may bytes of the request have reached the upstream?
+    # The RFC 9209 Proxy-Status error type of an answer the sidecar makes from this class of
+    # error; ``error_type`` is the one of this error (a connect failure knows "refused").
+    proxy_status: ClassVar[str] = "connection_terminated"
+
+    def __init__(self, message: str = "", error_type: str | None = None) -> None:
+        super().__init__(message)
+        self.error_type: str = error_type if error_type is not None else self.proxy_status
 
 
 class ConnectFailure(UpstreamError):
@@ -77,11 +88,6 @@ class ConnectFailure(UpstreamError):
     code = "connect-failure"
     reached_upstream = False
     proxy_status = "destination_unavailable"
-
-    def __init__(self, message: str, proxy_status: str | None = None) -> None:
-        super().__init__(message)
-        if proxy_status is not None:
-            self.proxy_status = proxy_status
 
 
 def connect_error_type(exc: OSError) -> str:
@@ -109,6 +115,14 @@ class AttemptTimeout(UpstreamError):
     proxy_status = "http_response_timeout"
 
 
+class RetryStopped(UpstreamError):
+    """A retry was due but the kill switch was set during its backoff: the sequence ends with
+    the last attempt's failure, whose response was already let go."""
+
+    code = "kill-switch"
+    status = 503
+
+
 class NoTimeLeft(AttemptTimeout):
     """The sequence deadline was spent before this attempt could write a byte upstream."""
 
@@ -124,10 +138,7 @@ class BadResponse(UpstreamError):
 
     kind = OutcomeKind.BAD_RESPONSE
     code = "bad-response"
-
-    def __init__(self, message: str, proxy_status: str = "http_protocol_error") -> None:
-        super().__init__(message)
-        self.proxy_status = proxy_status
+    proxy_status = "http_protocol_error"
 
 
 class BodyTimeout(UpstreamError):
@@ -140,10 +151,10 @@ class BodyTimeout(UpstreamError):
 class LocalOverload(Exception):
     """The sidecar itself has no room for the attempt; the upstream was not asked."""
 
-    code = "overloaded"
-    status = 503
-    reached_upstream = False
-    proxy_status = "connection_limit_reached"
+    code: ClassVar[str] = "overloaded"
+    status: ClassVar[int] = 503
+    reached_upstream: ClassVar[bool] = False
+    proxy_status: ClassVar[str] = "connection_limit_reached"
 
 
 class PoolExhausted(LocalOverload):

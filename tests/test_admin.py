@@ -84,7 +84,8 @@ async def test_kill_switch_put_get_delete_and_effect(
         assert resp.headers["x-retry-attempts"] == "1"
     async with client.get(base + "/killswitch") as resp:
         [listed] = (await resp.json())["switches"]
-        assert set(listed) == {"scope", "reason", "set_by", "set_at", "expires_at"}
+        assert set(listed) == {"scope", "reason", "set_by", "set_at", "expires_at", "source"}
+        assert listed["source"] == "admin"
         assert listed["reason"] == "INC-7 retries amplify"
     async with client.get(base + "/metrics") as resp:
         assert 'retry_sidecar_kill_switch_active{scope="route:main"} 1' in await resp.text()

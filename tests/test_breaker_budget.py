@@ -60,9 +60,9 @@ def test_half_open_lets_n_probes_through_then_closes_on_their_success():
     seen = []
     b = open_breaker()
     b._on_transition = lambda f, t: seen.append((f, t))
-    assert b.admit(33.0) == Admitted(True)
+    assert b.admit(33.0) == Admitted(True, period=1)
     assert b.state is State.HALF_OPEN
-    assert b.admit(33.1) == Admitted(True)
+    assert b.admit(33.1) == Admitted(True, period=1)
     assert isinstance(b.admit(33.2), Rejected)  # both probe slots taken
     b.record(33.5, Verdict.SUCCESS, probe=True)
     assert b.state is State.HALF_OPEN

@@ -282,6 +282,11 @@ RAW_ECHO = {
 
 @pytest.fixture(scope="module")
 def world() -> Iterator[d.World]:
+    pytest.importorskip(
+        "httpbin",
+        reason="httpbin is not installed: pip install --no-deps 'httpbin>=0.10.2,<0.11' "
+        "(see README: its greenlet pin conflicts with Playwright's)",
+    )
     tmp = d.make_tmp()
     procs = []
     try:

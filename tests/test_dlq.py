@@ -236,6 +236,21 @@ async def test_replay_delivers_with_the_same_idempotency_key(
     assert rec["status"] == "delivered" and rec["replays"] == 1 and rec["body"] == '{"a": 1}'
 
 
+async def test_a_client_cannot_send_the_replay_marker(
+    upstream_factory, sidecar_factory, client, tmp_path
+):
+    """x-retry-replay tells an upstream that this is a DLQ replay; only the sidecar's own
+    replays may say so -- not a client, not even one from a trusted (loopback) address."""
+    up = await upstream_factory(reply(200))
+    sc = await sidecar_factory(dlq_yaml(up.url, tmp_path / "dlq.sqlite3"))
+    async with client.post(
+        sc.url + "/o", data=b"{}", headers={"X-Retry-Replay": "0123", "X-Other": "kept"}
+    ) as resp:
+        assert resp.status == 200
+    [seen] = up.seen
+    assert seen.header("x-retry-replay") is None and seen.header("x-other") == "kept"
+
+
 async def test_replay_4xx_parks_and_repeated_failures_park(
     upstream_factory, sidecar_factory, client, tmp_path
 ):
@@ -324,9 +339,11 @@ async def test_one_record_is_never_replayed_twice_at_once(
     r1.release()
 
 
-async def test_reading_a_record_needs_the_token(
+async def test_every_dlq_route_needs_the_token(
     upstream_factory, sidecar_factory, client, tmp_path, monkeypatch
 ):
+    """The list shows targets with query strings and Idempotency-Keys, a record its body:
+    with a token set, no /dlq call -- reads included -- answers without it."""
     monkeypatch.setenv("DLQ_TEST_TOKEN", "tok")
     up = await upstream_factory(reply(503))
     db = tmp_path / "dlq.sqlite3"
@@ -335,16 +352,31 @@ async def test_reading_a_record_needs_the_token(
         'admin: {listen: "127.0.0.1:0", token_env: DLQ_TEST_TOKEN}',
     )
     sc = await sidecar_factory(text)
-    async with client.put(sc.url + "/o", data=b"secret body") as resp:
-        rid = resp.headers["x-retry-dlq-id"]
-    async with client.get(admin(sc) + f"/dlq/{rid}") as resp:
-        assert resp.status == 401
-    async with client.get(admin(sc) + "/dlq") as resp:
-        assert resp.status == 200  # the list shows no bodies
-        assert "secret body" not in await resp.text()
-    async with client.get(
-        admin(sc) + f"/dlq/{rid}", headers={"Authorization": "Bearer tok"}
+    async with client.put(
+        sc.url + "/o?account=42", data=b"secret body", headers={"Idempotency-Key": "key-9"}
     ) as resp:
+        rid = resp.headers["x-retry-dlq-id"]
+    calls = [
+        ("GET", "/dlq"),
+        ("GET", "/dlq?status=pending"),
+        ("GET", f"/dlq/{rid}"),
+        ("POST", f"/dlq/{rid}/replay"),
+        ("POST", "/dlq/replay"),
+        ("DELETE", f"/dlq/{rid}"),
+    ]
+    for method, path in calls:
+        for auth in ({}, {"Authorization": "Bearer wrong"}):
+            async with client.request(method, admin(sc) + path, headers=auth) as resp:
+                text_ = await resp.text()
+                assert resp.status == 401, (method, path, resp.status)
+                assert "key-9" not in text_ and "account=42" not in text_ and "secret" not in text_
+    assert rows(db)[0][1] == "pending"  # nothing was replayed or purged
+    ok = {"Authorization": "Bearer tok"}
+    async with client.get(admin(sc) + "/dlq", headers=ok) as resp:
+        assert resp.status == 200
+        [listed] = (await resp.json())["records"]
+        assert listed["target"] == "/o?account=42" and listed["idempotency_key"] == "key-9"
+    async with client.get(admin(sc) + f"/dlq/{rid}", headers=ok) as resp:
         assert resp.status == 200 and (await resp.json())["body"] == "secret body"
 
 
@@ -392,6 +424,7 @@ async def test_no_dlq_file_without_a_dlq_route(upstream_factory, sidecar_factory
 
 async def test_delivered_records_are_pruned_after_the_audit_window(tmp_path):
     from sidecar.dlq.record import NewRecord
+    from sidecar.dlq.store import Finish
 
     store = DlqStore(str(tmp_path / "d.sqlite3"), 100, 10**6)
     store.open()
@@ -399,9 +432,8 @@ async def test_delivered_records_are_pruned_after_the_audit_window(tmp_path):
         rec = NewRecord("r", "PUT", "/x", [], b"b", "exhausted", 1, 503, None, None, 1000.0)
         keep = await store.add(rec)
         gone = await store.add(rec)
-        await store.set_status(
-            gone, "delivered", count_replay=True, last_status=200, last_error=None
-        )
+        await store.claim(gone, "me", ("pending",), 60.0, 1000.0)
+        assert await store.finish(gone, "me", Finish("delivered", True, 200, None, True), 1001.0)
         assert store.by_status == {"pending": 1, "delivered": 1}
         assert await store.prune_delivered(older_than=4_000_000_000.0) == 1
         assert await store.get(gone) is None and await store.get(keep) is not None
@@ -429,3 +461,21 @@ async def test_unusable_dlq_path_means_unavailable_and_the_proxy_keeps_serving(
         'retry_sidecar_dlq_writes_total{route="main",result="unavailable"} 1'
         in sc.sidecar.metrics.render()
     )
+
+
+async def test_an_id_drawn_twice_in_one_millisecond_refuses_nothing(tmp_path, monkeypatch):
+    """Ids are milliseconds plus 32 random bits; when two records of one group draw the same
+    one, the second draws again -- a UNIQUE violation must not refuse the whole group."""
+    from sidecar.dlq import store as store_mod
+    from sidecar.dlq.record import NewRecord
+
+    drawn = iter(["0001aaaa", "0001aaaa", "0001bbbb", "0001cccc"])
+    monkeypatch.setattr(store_mod, "new_id", lambda now: next(drawn))
+    store = DlqStore(str(tmp_path / "d.sqlite3"), 100, 10**6)
+    store.open()
+    try:
+        rec = NewRecord("r", "PUT", "/x", [], b"b", "exhausted", 1, 503, None, None, 1000.0)
+        ids = await asyncio.gather(store.add(rec), store.add(rec), store.add(rec))
+        assert sorted(ids) == ["0001aaaa", "0001bbbb", "0001cccc"]
+    finally:
+        store.close()

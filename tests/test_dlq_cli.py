@@ -57,5 +57,25 @@ async def test_dlq_verbs(upstream_factory, tmp_path):
         assert purged.returncode == 0
         again = await cli("dlq", "purge", rid, "--config", str(cfg))
         assert again.returncode == 1 and "no DLQ record" in again.stdout
+
+        # Paging: the hint printed under a page is an option that exists and works.
+        up.script = [reply(503)]
+        ids = []
+        async with aiohttp.ClientSession() as s:
+            for i in range(3):
+                async with s.put(f"http://127.0.0.1:{port}/doc/{i}", data=b"v") as r:
+                    ids.append(r.headers["x-retry-dlq-id"])
+        first = await cli("dlq", "list", "--limit", "2", "--order", "oldest", "--config", str(cfg))
+        assert first.returncode == 0 and ids[0] in first.stdout and ids[2] not in first.stdout
+        hint = first.stdout.strip().splitlines()[-1]
+        assert "--cursor " in hint
+        cursor = hint.split("--cursor ", 1)[1].rstrip(")")
+        second = await cli(
+            "dlq", "list", "--limit", "2", "--order", "oldest", "--cursor", cursor,
+            "--config", str(cfg),
+        )  # fmt: skip
+        assert second.returncode == 0, second.stderr
+        assert ids[2] in second.stdout and ids[0] not in second.stdout
+        assert "--cursor" not in second.stdout  # the last page
     finally:
         assert proc.terminate() == 0

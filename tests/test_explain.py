@@ -18,6 +18,7 @@ from sidecar.retry.decide import Constraints
 from sidecar.retry.worstcase import _Highest, budget_multiplier, simulate, stacked, worst_case
 from sidecar.telemetry.events import Recorder
 from sidecar.testing import FakeClock
+from sidecar.upstream.client import UpstreamResponse
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,7 +48,9 @@ class FakeSleepGate:
         self.clock.advance(delay)
 
 
-class FakeResponse:
+class FakeResponse(UpstreamResponse):
+    """A response with no connection (the engine type-checks what ``send`` returns)."""
+
     def __init__(self, status: int, retry_after: str | None) -> None:
         self.status = status
         self._ra = retry_after

@@ -19,6 +19,7 @@ from sidecar.core import Overloaded, PoolExhausted, Verdict
 from sidecar.engine.bulkhead import Bulkhead
 from sidecar.proxy.handler import is_trusted
 from sidecar.retry.breaker import Admitted, Breaker, Rejected, State
+from sidecar.retry.budget import Budget
 from sidecar.upstream.pool import Pool
 from tests.conftest import hang, reply, routes_yaml
 from tests.faults import OK, read_request
@@ -259,10 +260,11 @@ async def test_an_error_after_admission_does_not_wedge_the_breaker_half_open(
     assert state.breaker.state is State.OPEN
     await asyncio.sleep(0.2)
 
-    def boom(now: float) -> None:
-        raise RuntimeError("a bug between admission and the guarded block")
+    class Exploding(Budget):
+        def record_request(self, now: float) -> None:
+            raise RuntimeError("a bug between admission and the guarded block")
 
-    monkeypatch.setattr(state.budget, "record_request", boom)
+    monkeypatch.setattr(state, "budget", Exploding(state.budget.policy))
     async with client.get(sc.url + "/x") as r:
         assert r.status == 502  # the handler's internal-error answer
     monkeypatch.undo()

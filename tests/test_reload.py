@@ -4,13 +4,15 @@ invalid edits, and what survives a reload."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from pathlib import Path
 
+import aiohttp
 from aiohttp import web
 
-from tests.conftest import reply, routes_yaml
+from tests.conftest import hang, reply, routes_yaml
 
 RELOAD_WITHIN = 2.0
 
@@ -117,23 +119,238 @@ async def test_invalid_edit_changes_nothing_that_serves(
         assert "retry_sidecar_config_last_reload_successful 1" in await resp.text()
 
 
-async def test_listen_change_is_reported_not_applied(
-    upstream_factory, sidecar_factory, client, tmp_path
+def test_every_config_key_is_live_or_restart_only():
+    """A reload applies a key or reports it; a key added to the model without saying which is
+    a reload silently ignoring it."""
+    import dataclasses
+    import typing
+
+    from sidecar.config.model import Config
+    from sidecar.config.watch import RELOAD_RULES
+
+    def unclassified(cls: type, prefix: str) -> list[str]:
+        out = []
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            key = prefix + f.name
+            if key in RELOAD_RULES or key in ("source", "sha256"):
+                continue
+            sub = hints[f.name]
+            if isinstance(sub, type) and dataclasses.is_dataclass(sub):
+                out += unclassified(sub, key + ".")  # classified key by key
+            else:
+                out.append(key)
+        return out
+
+    assert unclassified(Config, "") == []
+    assert set(RELOAD_RULES.values()) == {"live", "restart"}
+
+
+async def test_restart_only_keys_are_reported_not_applied(
+    upstream_factory, sidecar_factory, client, tmp_path, caplog
 ):
     up = await upstream_factory(reply(200))
     cfg = tmp_path / "sidecar.yaml"
     text = policy(up.url, 2)
     sc = await start_with_file(sidecar_factory, cfg, text)
-    cfg.write_text(text.replace('listen: "127.0.0.1:0"', 'listen: "127.0.0.1:15999"', 1))
+    changed = (
+        text.replace('listen: "127.0.0.1:0"', 'listen: "127.0.0.1:15999"', 1).replace(
+            'admin: {listen: "127.0.0.1:0"}',
+            'admin: {listen: "127.0.0.1:15998", token_env: OTHER_TOKEN}',
+        )
+        + "upstream_pool: {max_connections: 7}\n"
+        + "limits: {keepalive_timeout: 5s}\n"
+        + f'dlq: {{path: "{tmp_path / "elsewhere.sqlite3"}"}}\n'
+    )
+    cfg.write_text(changed)
     admin = f"http://127.0.0.1:{sc.sidecar.admin_port}"
     async with client.post(admin + "/config/reload") as resp:
+        assert resp.status == 200
         body = await resp.json()
-    assert resp.status == 200
-    assert any(
-        r.startswith("listen: 127.0.0.1:0 -> 127.0.0.1:15999") for r in body["restart_required"]
-    )
+    want = [
+        "listen",
+        "admin.listen",
+        "admin.token_env",
+        "dlq.path",
+        "limits.keepalive_timeout",
+        "upstream_pool",
+    ]
+    assert body["restart_required"] == want
+    async with client.get(admin + "/config") as resp:
+        assert (await resp.json())["restart_required"] == want
+    warned = [r.getMessage() for r in caplog.records if "needs a restart" in r.getMessage()]
+    assert any("listen: 127.0.0.1:0 -> 127.0.0.1:15999" in m for m in warned)
     async with client.get(sc.url + "/x") as resp:
         assert resp.status == 200  # still serving where it was
+    cfg.write_text(text)  # back to what the process runs with: nothing pending
+    async with client.post(admin + "/config/reload") as resp:
+        assert (await resp.json())["restart_required"] == []
+
+
+async def test_dlq_bounds_apply_on_reload(upstream_factory, sidecar_factory, client, tmp_path):
+    from tests.test_dlq import dlq_yaml
+
+    up = await upstream_factory(reply(503))
+    db = tmp_path / "dlq.sqlite3"
+    cfg = tmp_path / "sidecar.yaml"
+
+    def text(n: int) -> str:
+        return dlq_yaml(up.url, db).replace(
+            f'dlq: {{path: "{db}"}}', f'dlq: {{path: "{db}", max_records: {n}}}'
+        )
+
+    sc = await start_with_file(sidecar_factory, cfg, text(1))
+    seen = []
+    for _ in range(2):
+        async with client.put(sc.url + "/o", data=b"1") as resp:
+            seen.append(resp.headers["x-retry-dlq"])
+    assert seen == ["stored", "full"]
+    cfg.write_text(text(3))
+    result = await sc.sidecar.reload("test")
+    assert result is not None and result.ok and result.restart_required == []
+    for _ in range(3):
+        async with client.put(sc.url + "/o", data=b"1") as resp:
+            seen.append(resp.headers["x-retry-dlq"])
+    assert seen[2:] == ["stored", "stored", "full"]
+    cfg.write_text(text(100).replace("max_records: 100}", "max_records: 100, max_bytes: 10}"))
+    await sc.sidecar.reload("test")
+    async with client.put(sc.url + "/o", data=b"1") as resp:
+        assert resp.headers["x-retry-dlq"] == "full"  # nothing stored is dropped
+    assert sc.sidecar.dlq is not None and sc.sidecar.dlq.counts.by_status["pending"] == 3
+
+
+async def test_a_reload_that_enables_the_dlq_opens_it(
+    upstream_factory, sidecar_factory, client, tmp_path
+):
+    from tests.test_dlq import dlq_yaml
+
+    up = await upstream_factory(reply(503))
+    db = tmp_path / "dlq.sqlite3"
+    cfg = tmp_path / "sidecar.yaml"
+    enabled = dlq_yaml(up.url, db)
+    sc = await start_with_file(
+        sidecar_factory, cfg, enabled.replace("dlq: {enabled: true}", "dlq: {enabled: false}")
+    )
+    admin = f"http://127.0.0.1:{sc.sidecar.admin_port}"
+    async with client.get(admin + "/dlq") as resp:
+        assert resp.status == 503
+    cfg.write_text(enabled)
+    result = await sc.sidecar.reload("test")
+    assert result is not None and result.restart_required == []
+    for _ in range(100):
+        if sc.sidecar.dlq is not None:
+            break
+        await asyncio.sleep(0.05)
+    async with client.put(sc.url + "/o", data=b"1") as resp:
+        assert resp.headers["x-retry-dlq"] == "stored"
+    async with client.get(admin + "/dlq") as resp:
+        assert len((await resp.json())["records"]) == 1
+    assert {"dlq-redrive", "dlq-prune"} <= set(sc.sidecar.task_names())
+
+
+async def test_shutting_down_while_a_reload_opens_the_dlq_leaves_no_writer(
+    upstream_factory, client, tmp_path
+):
+    """The DLQ is opened in a worker thread; a shutdown that cancels the opening must close
+    whatever that thread opens afterwards (no writer thread, no open file left behind)."""
+    import sqlite3
+    import threading
+
+    from sidecar.app import Sidecar
+    from sidecar.config.parse import parse_text
+    from tests.test_dlq import dlq_yaml
+
+    up = await upstream_factory(reply(503))
+    db = tmp_path / "dlq.sqlite3"
+    cfg = tmp_path / "sidecar.yaml"
+    enabled = dlq_yaml(up.url, db)
+    disabled = enabled.replace("dlq: {enabled: true}", "dlq: {enabled: false}")
+    cfg.write_text(disabled)
+    sc = Sidecar(parse_text(disabled, str(cfg)), config_path=str(cfg))
+    sc.dlq_busy_timeout_ms = 20_000
+    await sc.start()
+    blocker = sqlite3.connect(db, isolation_level=None)  # the file appears after the start
+    blocker.execute("PRAGMA journal_mode=WAL")
+    blocker.execute("BEGIN IMMEDIATE")  # the opening thread waits on this lock
+    try:
+        cfg.write_text(enabled)
+        await sc.reload("test")
+        assert "dlq-open" in sc.task_names()
+        await asyncio.sleep(0.3)  # the thread is now waiting on the lock
+        await sc.stop()
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    for _ in range(100):  # the thread finishes opening; what it opened is closed again
+        if not any(t.name == "dlq-writer" for t in threading.enumerate()):
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)
+    assert not any(t.name == "dlq-writer" for t in threading.enumerate())
+    assert sc.dlq is None
+
+
+async def test_drain_timeout_applies_on_reload(upstream_factory, client, tmp_path):
+    """The drain started after a reload uses the reloaded drain_timeout."""
+    from sidecar.app import Sidecar
+    from sidecar.config.parse import parse_text
+
+    up = await upstream_factory(hang(30))
+    cfg = tmp_path / "sidecar.yaml"
+    text = (
+        routes_yaml(up.url, "    timeout: 60s\n    retry: {attempts: 1, per_try_timeout: 60s}")
+        + "drain_timeout: 30s\n"
+    )
+    cfg.write_text(text)
+    sc = Sidecar(parse_text(text, str(cfg)), config_path=str(cfg))
+    await sc.start()
+    stopped = False
+    try:
+        cfg.write_text(text.replace("drain_timeout: 30s", "drain_timeout: 200ms"))
+        result = await sc.reload("test")
+        assert result is not None and result.restart_required == []
+        pending = asyncio.create_task(client.get(f"http://127.0.0.1:{sc.proxy_port}/x"))
+        while not up.seen:
+            await asyncio.sleep(0.02)
+        # 30 s (the old value) against 0.2 s (the reloaded one): a bound in between.
+        async with asyncio.timeout(10):
+            await sc.stop()
+        stopped = True
+        with contextlib.suppress(aiohttp.ClientError):
+            (await pending).release()
+    finally:
+        if not stopped:
+            await sc.stop()
+
+
+async def test_a_good_file_written_during_a_failed_reload_is_loaded(
+    upstream_factory, sidecar_factory, client, tmp_path, monkeypatch
+):
+    """The watcher must remember as bad the bytes it parsed, not the file as it is after the
+    parse: an editor's next (good) save may land in between."""
+    from sidecar.config import parse as parse_mod
+    from sidecar.config.errors import ConfigError
+
+    up = await upstream_factory(reply(503))
+    cfg = tmp_path / "sidecar.yaml"
+    sc = await start_with_file(sidecar_factory, cfg, policy(up.url, 1))
+    real = parse_mod.parse_text
+    fixed = False
+
+    def parse_then_fix(text: str, source: str = "<memory>"):
+        nonlocal fixed
+        try:
+            return real(text, source)
+        except ConfigError:
+            if not fixed:
+                fixed = True
+                cfg.write_text(policy(up.url, 3))  # the good save lands just after the parse
+            raise
+
+    monkeypatch.setattr(parse_mod, "parse_text", parse_then_fix)
+    cfg.write_text(policy(up.url, 99))  # invalid: attempts is at most 10
+    await eventually_attempts(client, sc.url, 3)
+    assert fixed
 
 
 async def test_in_flight_requests_keep_their_snapshot(

@@ -1,26 +1,105 @@
 """The runtime kill switch: retries off, globally or per route, each switch with an expiry.
 
 A switch is a real mode of the same code path: the retry engine makes exactly one attempt and
-reports ``x-retry-fate: kill-switch`` when a retry was wanted. It is held in memory only: a
-restart clears it, on purpose. A restarted sidecar comes back with the policy in its file; a
-switch that should outlive restarts belongs in the file (``attempts: 1``) where review sees it.
+reports ``x-retry-fate: kill-switch`` when a retry was wanted.
+
+Switches come from two sources, kept apart:
+
+- ``admin``: set and lifted through the admin API (or the status page's forms), held in memory
+  only. A restart clears them, on purpose: a restarted sidecar comes back with what its file says.
+- ``file``: the ``killswitches:`` section of the policy file. Every (re)load replaces the whole
+  set of file switches with what the file says now, so one ConfigMap edit reaches every pod of
+  a fleet, and deleting the entry lifts it everywhere. They cannot be lifted through the admin
+  API: the file is the fleet's truth and would put them back on the next reload or restart.
+
+A scope is covered while a switch of either source is active for it.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Literal
+
+from sidecar.config import units
+from sidecar.config.killswitches import expired_warning
+from sidecar.config.model import Config, FileKillSwitch
 
 MAX_TTL = 24 * 3600.0
+MAX_REASON = 1000
+Source = Literal["admin", "file"]
+audit = logging.getLogger("sidecar.audit")
+log = logging.getLogger("sidecar.admin")
+
+
+class BadRequest(ValueError):
+    """A set request that cannot be applied; the message says why, for a 400."""
+
+
+def check_set(
+    scope: object, ttl_raw: object, reason: object, has_route: Callable[[str], bool]
+) -> tuple[str, float, str]:
+    """Validate a set request (the admin API's and the status page's alike)."""
+    if not isinstance(scope, str) or not (
+        scope == "global" or (scope.startswith("route:") and has_route(scope[6:]))
+    ):
+        raise BadRequest("scope must be 'global' or 'route:<name>' naming a configured route")
+    if ttl_raw is None or ttl_raw == "":
+        raise BadRequest('ttl is required, e.g. "15m" (at most 24h)')
+    try:
+        ttl = units.parse_duration(ttl_raw)
+    except units.UnitError as exc:
+        raise BadRequest(f"ttl: {exc}") from None
+    if not 0 < ttl <= MAX_TTL:
+        raise BadRequest("ttl must be greater than 0 and at most 24h")
+    if not isinstance(reason, str) or not reason.strip() or len(reason) > MAX_REASON:
+        raise BadRequest(
+            f"reason is required: a non-empty string of at most {MAX_REASON} characters"
+        )
+    return scope, ttl, reason
+
+
+def iso(epoch: float) -> str:
+    return (
+        datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    )
+
+
+def audit_set(sw: Switch, ttl: float, via: str) -> None:
+    audit.warning(
+        "kill switch set",
+        extra={
+            "fields": {
+                "audit": "killswitch.set",
+                "who": sw.set_by,
+                "via": via,
+                "scope": sw.scope,
+                "reason": sw.reason,
+                "ttl_seconds": ttl,
+                "expires_at": iso(sw.expires_at),
+            }
+        },
+    )
+
+
+def audit_lift(scope: str, who: str, via: str) -> None:
+    audit.warning(
+        "kill switch lifted",
+        extra={"fields": {"audit": "killswitch.lift", "who": who, "via": via, "scope": scope}},
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class Switch:
     scope: str  # "global" or "route:<name>"
     reason: str
-    set_by: str
+    set_by: str  # the peer address, or "<file>:<line>" for a file switch
     set_at: float  # epoch seconds
     expires_at: float  # epoch seconds
     expires_mono: float
+    source: Source = "admin"
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -29,33 +108,94 @@ class Switch:
             "set_by": self.set_by,
             "set_at": self.set_at,
             "expires_at": self.expires_at,
+            "source": self.source,
         }
 
 
 class KillSwitch:
     def __init__(self) -> None:
-        self._switches: dict[str, Switch] = {}
+        self._admin: dict[str, Switch] = {}
+        self._file: dict[str, Switch] = {}
 
     def set(self, scope: str, ttl: float, reason: str, who: str, now: float, wall: float) -> Switch:
+        """An admin switch; setting a scope again replaces its reason and expiry."""
         if not 0 < ttl <= MAX_TTL:
             raise ValueError("ttl must be greater than 0 and at most 24h")
         sw = Switch(scope, reason, who, wall, wall + ttl, now + ttl)
-        self._switches[scope] = sw
+        self._admin[scope] = sw
         return sw
 
     def lift(self, scope: str) -> bool:
-        return self._switches.pop(scope, None) is not None
+        """Lift an admin switch. File switches are lifted by editing the file."""
+        return self._admin.pop(scope, None) is not None
+
+    def file_switch(self, scope: str, now: float) -> Switch | None:
+        self._prune(now)
+        return self._file.get(scope)
+
+    def load_file(
+        self, entries: Iterable[FileKillSwitch], source: str, now: float, wall: float
+    ) -> list[FileKillSwitch]:
+        """Replace every file switch with ``entries``; return the ones already expired, which
+        are ignored. An entry unchanged since the last load keeps its ``set_at``."""
+        expired: list[FileKillSwitch] = []
+        fresh: dict[str, Switch] = {}
+        for e in entries:
+            if e.until <= wall:
+                expired.append(e)
+                continue
+            old = self._file.get(e.scope)
+            set_at = (
+                old.set_at if old and (old.reason, old.expires_at) == (e.reason, e.until) else wall
+            )
+            fresh[e.scope] = Switch(
+                e.scope,
+                e.reason,
+                f"{source}:{e.line}",
+                set_at,
+                e.until,
+                now + (e.until - wall),
+                "file",
+            )
+        self._file = fresh
+        return expired
 
     def active(self, now: float) -> list[Switch]:
         self._prune(now)
-        return sorted(self._switches.values(), key=lambda s: s.scope)
+        both = [*self._admin.values(), *self._file.values()]
+        return sorted(both, key=lambda s: (s.scope, s.source))
 
     def covers(self, route: str, now: float) -> bool:
-        if not self._switches:  # the common case costs one check
+        if not self._admin and not self._file:  # the common case costs one check
             return False
         self._prune(now)
-        return "global" in self._switches or f"route:{route}" in self._switches
+        scope = f"route:{route}"
+        return any("global" in d or scope in d for d in (self._admin, self._file))
 
     def _prune(self, now: float) -> None:
-        for scope in [s for s, sw in self._switches.items() if sw.expires_mono <= now]:
-            del self._switches[scope]
+        for d in (self._admin, self._file):
+            for scope in [s for s, sw in d.items() if sw.expires_mono <= now]:
+                del d[scope]
+
+
+def apply_file(kill: KillSwitch, config: Config, now: float, wall: float) -> None:
+    """On every (re)load: the file's switches replace the previous file switches. Expired
+    entries are ignored with a warning that names their line; a change is an audit line."""
+    before = {(s.scope, s.reason, s.expires_at) for s in kill.active(now) if s.source == "file"}
+    for e in kill.load_file(config.killswitches, config.source, now, wall):
+        log.warning(expired_warning(config.source, e))
+    now_on = [s for s in kill.active(now) if s.source == "file"]
+    if {(s.scope, s.reason, s.expires_at) for s in now_on} != before:
+        audit.warning(
+            "kill switches from the policy file",
+            extra={
+                "fields": {
+                    "audit": "killswitch.file",
+                    "who": config.source,
+                    "switches": [
+                        {"scope": s.scope, "reason": s.reason, "expires_at": iso(s.expires_at)}
+                        for s in now_on
+                    ],
+                }
+            },
+        )

@@ -1,4 +1,4 @@
-"""The admin API (DESIGN.md section 5) on its own listener, loopback by default.
+"""The admin API on its own listener, loopback by default (docs/architecture.md).
 
 JSON in and out; errors are ``{"error": "..."}`` with a 4xx. With a token configured, every
 non-GET call (and reading a DLQ record) needs ``Authorization: Bearer <token>``.
@@ -16,8 +16,14 @@ from typing import Any
 from aiohttp import web
 
 from sidecar.admin.auth import bearer_ok
-from sidecar.admin.killswitch import MAX_TTL, KillSwitch
-from sidecar.config import units
+from sidecar.admin.killswitch import (
+    BadRequest,
+    KillSwitch,
+    Switch,
+    audit_lift,
+    audit_set,
+    check_set,
+)
 from sidecar.config.model import Route
 from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader
@@ -33,6 +39,13 @@ MAX_ADMIN_BODY = 64 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Extra routes other features add (the DLQ): (method, path, handler, needs_token_even_for_GET).
 ExtraRoute = tuple[str, str, Handler, bool]
+# Routes that authenticate the request themselves: (method, path, handler).
+FormRoute = tuple[str, str, Handler]
+
+
+def _canonical(request: web.Request) -> str | None:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else None
 
 
 def iso(epoch: float | None) -> str | None:
@@ -58,6 +71,10 @@ class AdminDeps:
     clock: Clock
     token: str | None
     stats: Callable[[], dict[str, Any]] = dict
+
+
+def switch_json(s: Switch) -> dict[str, Any]:
+    return dict(s.as_json(), set_at=iso(s.set_at), expires_at=iso(s.expires_at))
 
 
 def route_json(r: Route) -> dict[str, Any]:
@@ -88,8 +105,15 @@ def route_json(r: Route) -> dict[str, Any]:
     }
 
 
-def build_admin_app(deps: AdminDeps, extra: list[ExtraRoute] | None = None) -> web.Application:
+def build_admin_app(
+    deps: AdminDeps,
+    extra: list[ExtraRoute] | None = None,
+    forms: list[FormRoute] | None = None,
+) -> web.Application:
     token_for_get: set[str] = set()
+    # The status page's form posts carry the token in their body and check it themselves
+    # (sidecar.admin.formauth): a browser without JavaScript cannot send a header.
+    self_checked: set[str] = set()
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -100,6 +124,7 @@ def build_admin_app(deps: AdminDeps, extra: list[ExtraRoute] | None = None) -> w
         if (
             deps.token is not None
             and needs
+            and _canonical(request) not in self_checked
             and not bearer_ok(request.headers.get("Authorization"), deps.token)
         ):
             resp = error(401, "this call needs Authorization: Bearer <admin token>")
@@ -170,68 +195,46 @@ def build_admin_app(deps: AdminDeps, extra: list[ExtraRoute] | None = None) -> w
 
     async def get_kill(request: web.Request) -> web.Response:
         switches = deps.kill.active(deps.clock.monotonic())
-        return web.json_response(
-            {
-                "switches": [
-                    dict(s.as_json(), set_at=iso(s.set_at), expires_at=iso(s.expires_at))
-                    for s in switches
-                ]
-            }
-        )
+        return web.json_response({"switches": [switch_json(s) for s in switches]})
 
     async def put_kill(request: web.Request) -> web.Response:
         body = await _json_body(request)
         if isinstance(body, web.Response):
             return body
-        scope = body.get("scope")
-        if not isinstance(scope, str) or not _scope_ok(scope):
-            return error(400, "scope must be 'global' or 'route:<name>' naming a configured route")
-        ttl_raw = body.get("ttl")
-        if ttl_raw is None:
-            return error(400, 'ttl is required, e.g. "15m" (at most 24h)')
         try:
-            ttl = units.parse_duration(ttl_raw)
-        except units.UnitError as exc:
-            return error(400, f"ttl: {exc}")
-        if not 0 < ttl <= MAX_TTL:
-            return error(400, "ttl must be greater than 0 and at most 24h")
-        reason = body.get("reason")
-        if not isinstance(reason, str) or not reason.strip() or len(reason) > 1000:
-            return error(400, "reason is required: a non-empty string of at most 1000 characters")
+            scope, ttl, reason = check_set(
+                body.get("scope"),
+                body.get("ttl"),
+                body.get("reason"),
+                lambda name: deps.store.current.route(name) is not None,
+            )
+        except BadRequest as exc:
+            return error(400, str(exc))
         unknown = set(body) - {"scope", "ttl", "reason"}
         if unknown:
             return error(400, f"unknown keys: {', '.join(sorted(unknown))}")
         who = request.remote or "unknown"
         sw = deps.kill.set(scope, ttl, reason, who, deps.clock.monotonic(), deps.clock.wall())
-        audit.warning(
-            "kill switch set",
-            extra={
-                "fields": {
-                    "audit": "killswitch.set",
-                    "who": who,
-                    "scope": scope,
-                    "reason": reason,
-                    "ttl_seconds": ttl,
-                    "expires_at": iso(sw.expires_at),
-                }
-            },
-        )
-        return web.json_response(
-            dict(sw.as_json(), set_at=iso(sw.set_at), expires_at=iso(sw.expires_at))
-        )
+        audit_set(sw, ttl, "api")
+        return web.json_response(switch_json(sw))
 
     async def delete_kill(request: web.Request) -> web.Response:
         scope = request.query.get("scope")
         if not scope:
             return error(400, "give the scope to lift: DELETE /killswitch?scope=global")
+        now = deps.clock.monotonic()
         if not deps.kill.lift(scope):
+            in_file = deps.kill.file_switch(scope, now)
+            if in_file is not None:
+                return error(
+                    409,
+                    f"the {scope} switch comes from the policy file ({in_file.set_by}); "
+                    "remove it there, or wait for its until",
+                )
             return error(404, f"no active kill switch with scope {scope!r}")
-        who = request.remote or "unknown"
-        audit.warning(
-            "kill switch lifted",
-            extra={"fields": {"audit": "killswitch.lift", "who": who, "scope": scope}},
-        )
-        return web.json_response({"lifted": scope})
+        audit_lift(scope, request.remote or "unknown", "api")
+        remaining = [switch_json(s) for s in deps.kill.active(now) if s.scope == scope]
+        return web.json_response({"lifted": scope, "remaining": remaining})
 
     async def breakers(request: web.Request) -> web.Response:
         now = deps.clock.monotonic()
@@ -254,13 +257,6 @@ def build_admin_app(deps: AdminDeps, extra: list[ExtraRoute] | None = None) -> w
     async def stats(request: web.Request) -> web.Response:
         return web.json_response(deps.stats())
 
-    def _scope_ok(scope: str) -> bool:
-        if scope == "global":
-            return True
-        if scope.startswith("route:"):
-            return deps.store.current.route(scope[6:]) is not None
-        return False
-
     async def not_found(request: web.Request) -> web.Response:
         return error(404, f"no admin endpoint {request.method} {request.path}")
 
@@ -280,6 +276,9 @@ def build_admin_app(deps: AdminDeps, extra: list[ExtraRoute] | None = None) -> w
         res = r.add_route(method, path, handler)
         if token_even_for_get:
             token_for_get.add(res.resource.canonical if res.resource else path)
+    for method, path, handler in forms or []:
+        r.add_route(method, path, handler)
+        self_checked.add(path)
     r.add_route("*", "/{tail:.*}", not_found)
     return app
 

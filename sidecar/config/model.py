@@ -90,6 +90,9 @@ class RouteDlq:
     max_replays: int = 5
     replay_rate: float = 50.0
     redrive: Redrive = field(default_factory=Redrive)
+    # Lower-case header names never stored with a record (beyond the credentials, which
+    # keep_credentials governs).
+    drop_headers: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +186,17 @@ class UpstreamPool:
 
 
 @dataclass(frozen=True, slots=True)
+class FileKillSwitch:
+    """One entry of the ``killswitches:`` section: retries off for ``scope`` until ``until``."""
+
+    scope: str  # "global" or "route:<name>"
+    reason: str
+    until: float  # epoch seconds
+    line: int  # where the entry is written, for warnings and set_by
+    index: int  # its position in the list: killswitches[index]
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     version: int
     name: str
@@ -194,6 +208,7 @@ class Config:
     drain_timeout: float
     routes: tuple[Route, ...]
     upstream_pool: UpstreamPool = field(default_factory=UpstreamPool)
+    killswitches: tuple[FileKillSwitch, ...] = ()
     source: str = "<memory>"
     sha256: str = ""
 

@@ -16,7 +16,7 @@ from pathlib import Path as FsPath
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from sidecar.config import units
+from sidecar.config import killswitches, units
 from sidecar.config.errors import ConfigError, ConfigIssue
 from sidecar.config.model import (
     Admin,
@@ -193,7 +193,15 @@ class _Parser:
         raw = self.mapping(
             value,
             path,
-            ("enabled", "respond", "keep_credentials", "max_replays", "replay_rate", "redrive"),
+            (
+                "enabled",
+                "respond",
+                "keep_credentials",
+                "max_replays",
+                "replay_rate",
+                "redrive",
+                "drop_headers",
+            ),
         )
         redrive = base.redrive
         if "redrive" in raw:
@@ -215,6 +223,7 @@ class _Parser:
             max_replays=self.field(raw, "max_replays", path, _int_range(1, 1000), base.max_replays),
             replay_rate=self.field(raw, "replay_rate", path, _positive_number, base.replay_rate),
             redrive=redrive,
+            drop_headers=self.field(raw, "drop_headers", path, _header_names, base.drop_headers),
         )
 
     def match(self, value: object, path: Path) -> Match:
@@ -263,6 +272,7 @@ class _Parser:
                 "workers",
                 "defaults",
                 "routes",
+                "killswitches",
             ),
         )
         if "version" not in top:
@@ -348,6 +358,9 @@ class _Parser:
 
         defaults = self.defaults(top.get("defaults"))
         routes = self.routes(top.get("routes"), defaults)
+        switches = killswitches.parse_section(
+            top.get("killswitches"), self.located, {r.name for r in routes}, self.error
+        )
         if self.issues:
             return None
         return Config(
@@ -361,6 +374,7 @@ class _Parser:
             drain_timeout=drain,
             upstream_pool=pool,
             routes=tuple(routes),
+            killswitches=switches,
             source=source,
             sha256=sha,
         )
@@ -648,6 +662,20 @@ def _url_path(value: object) -> str:
     return value
 
 
+HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # RFC 9110 token
+
+
+def _header_names(value: object) -> frozenset[str]:
+    if not isinstance(value, list):
+        raise _Invalid(f"expected a list of header names, got {_kind(value)}")
+    names = set()
+    for item in value:
+        if not isinstance(item, str) or not HEADER_NAME.match(item):
+            raise _Invalid(f"{item!r} is not a header name")
+        names.add(item.lower())
+    return frozenset(names)
+
+
 def _regex(value: object) -> re.Pattern[str]:
     if not isinstance(value, str):
         raise _Invalid(f"expected a regular expression string, got {value!r}")
@@ -726,6 +754,11 @@ def parse_file(path: str) -> Config:
         raise ConfigError(
             path, [ConfigIssue(0, "<file>", f"cannot read: {exc.strerror}")]
         ) from None
+    return parse_bytes(raw, path)
+
+
+def parse_bytes(raw: bytes, path: str) -> Config:
+    """The file's bytes as read once: the version (sha256) is of exactly these bytes."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -1,16 +1,23 @@
-"""The DLQ's admin endpoints (DESIGN.md section 5)."""
+"""The DLQ's admin endpoints: list, show, replay, purge (README.md "Dead-letter queue").
+
+Every one of them needs the admin token when one is set, reads included: the list shows
+targets with their query strings and Idempotency-Keys, and a record holds its body.
+They exist even while no DLQ is open (a route may enable it by a reload) and answer 503 then.
+"""
 
 from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
 from sidecar.admin.server import ExtraRoute, error, iso
-from sidecar.dlq.replay import ReplayBusy, Replayer, ReplayNotFound, ReplayRouteGone
-from sidecar.dlq.store import DlqError, DlqStore
+from sidecar.dlq.errors import ClaimRefused, DlqError, RecordBusy, RecordNotFound
+from sidecar.dlq.replay import Replayer
+from sidecar.dlq.store import DlqStore
 
 STATUSES = ("pending", "delivered", "parked")
 MAX_LIMIT = 1000
@@ -18,8 +25,8 @@ MAX_LIMIT = 1000
 
 def public(rec: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in rec.items() if k not in ("seq", "body_bytes", "size")}
-    out["created_at"] = iso(rec["created_at"])
-    out["updated_at"] = iso(rec["updated_at"])
+    for k in ("created_at", "updated_at", "claimed_at", "claim_expires_at"):
+        out[k] = iso(rec[k])
     return out
 
 
@@ -31,8 +38,23 @@ def _limit(raw: str | None, default: int) -> int | None:
     return int(raw)
 
 
-def dlq_routes(store: DlqStore, replayer: Replayer) -> list[ExtraRoute]:
+Opened = Callable[[], tuple[DlqStore, Replayer] | None]
+
+
+def dlq_routes(opened: Opened, path: Callable[[], str]) -> list[ExtraRoute]:
+    """The /dlq endpoints; ``opened`` gives the open store and its replayer, or None."""
+
+    def unavailable() -> web.Response:
+        return error(
+            503,
+            f"no DLQ is open: no route has dlq.enabled (or {path()} could not be opened)",
+        )
+
     async def list_records(request: web.Request) -> web.Response:
+        dlq = opened()
+        if dlq is None:
+            return unavailable()
+        store = dlq[0]
         q = request.query
         status = q.get("status")
         if status is not None and status not in STATUSES:
@@ -61,6 +83,10 @@ def dlq_routes(store: DlqStore, replayer: Replayer) -> list[ExtraRoute]:
         )
 
     async def show(request: web.Request) -> web.Response:
+        dlq = opened()
+        if dlq is None:
+            return unavailable()
+        store = dlq[0]
         rid = request.match_info["id"]
         try:
             rec = await store.get(rid)
@@ -77,18 +103,24 @@ def dlq_routes(store: DlqStore, replayer: Replayer) -> list[ExtraRoute]:
         return web.json_response(out)
 
     async def replay_one(request: web.Request) -> web.Response:
+        dlq = opened()
+        if dlq is None:
+            return unavailable()
         rid = request.match_info["id"]
         try:
-            outcome = await replayer.replay_one(rid)
-        except ReplayNotFound as exc:
+            outcome = await dlq[1].replay_one(rid)
+        except RecordNotFound as exc:
             return error(404, str(exc))
-        except (ReplayBusy, ReplayRouteGone) as exc:
+        except ClaimRefused as exc:  # delivered already, being replayed, route gone
             return error(409, str(exc))
         except DlqError as exc:
             return error(503, str(exc))
         return web.json_response(outcome.as_json())
 
     async def replay_batch(request: web.Request) -> web.Response:
+        dlq = opened()
+        if dlq is None:
+            return unavailable()
         raw = await request.read()
         try:
             body = json.loads(raw) if raw.strip() else {}
@@ -112,16 +144,19 @@ def dlq_routes(store: DlqStore, replayer: Replayer) -> list[ExtraRoute]:
         if not isinstance(dry_run, bool):
             return error(400, "dry_run must be true or false")
         try:
-            return web.json_response(await replayer.replay_batch(route, status, limit, dry_run))
+            return web.json_response(await dlq[1].replay_batch(route, status, limit, dry_run))
         except DlqError as exc:
             return error(503, str(exc))
 
     async def purge(request: web.Request) -> web.Response:
+        dlq = opened()
+        if dlq is None:
+            return unavailable()
         rid = request.match_info["id"]
-        if rid in replayer.in_progress:
-            return error(409, f"record {rid} is being replayed")
         try:
-            ok = await store.delete(rid)
+            ok = await dlq[0].delete(rid)
+        except RecordBusy as exc:
+            return error(409, str(exc))
         except DlqError as exc:
             return error(503, str(exc))
         if not ok:
@@ -129,25 +164,9 @@ def dlq_routes(store: DlqStore, replayer: Replayer) -> list[ExtraRoute]:
         return web.json_response({"purged": rid})
 
     return [
-        ("GET", "/dlq", list_records, False),
-        ("POST", "/dlq/replay", replay_batch, False),
-        ("GET", "/dlq/{id}", show, True),  # bodies may hold personal data: token even to read
-        ("POST", "/dlq/{id}/replay", replay_one, False),
-        ("DELETE", "/dlq/{id}", purge, False),
-    ]
-
-
-def no_dlq_routes(path: str) -> list[ExtraRoute]:
-    async def unavailable(request: web.Request) -> web.Response:
-        return error(
-            503,
-            f"no DLQ is open: no route has dlq.enabled (or {path} could not be opened)",
-        )
-
-    return [
-        ("GET", "/dlq", unavailable, False),
-        ("POST", "/dlq/replay", unavailable, False),
-        ("GET", "/dlq/{id}", unavailable, True),
-        ("POST", "/dlq/{id}/replay", unavailable, False),
-        ("DELETE", "/dlq/{id}", unavailable, False),
+        ("GET", "/dlq", list_records, True),
+        ("POST", "/dlq/replay", replay_batch, True),
+        ("GET", "/dlq/{id}", show, True),
+        ("POST", "/dlq/{id}/replay", replay_one, True),
+        ("DELETE", "/dlq/{id}", purge, True),
     ]

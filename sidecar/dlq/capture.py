@@ -8,8 +8,18 @@ from dataclasses import dataclass
 
 from sidecar.config.model import Route
 from sidecar.core import Fate
-from sidecar.dlq.record import WRITE_METHODS, NewRecord, storable_headers, transient_failure
-from sidecar.dlq.store import DlqError, DlqStore
+from sidecar.dlq.errors import DlqError
+from sidecar.dlq.record import (
+    WRITE_METHODS,
+    KeptBody,
+    NewRecord,
+    idempotency_key,
+    storable_headers,
+    transient_failure,
+)
+from sidecar.dlq.store import DlqStore
+from sidecar.engine.loop import SequenceResult
+from sidecar.retry.classify import may_resend
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,51 +31,71 @@ class Captured:
 OnWrite = Callable[[str, str], None]  # (route, result)
 
 
+def reached_upstream(
+    result: SequenceResult | None, route: Route, method: str, has_key: bool
+) -> bool:
+    """Whether any byte of the request may have reached the upstream during the sequence.
+
+    No when the breaker refused it (``result`` None) or when its last attempt failed before
+    sending (connect failure, local overload, no time left) and no earlier attempt can have
+    sent anything:
+    the retry rules resend a request whose bytes may have reached the upstream only when the
+    route allows resending it, so without that every earlier attempt was a connect failure too.
+    """
+    if result is None:
+        return False
+    if result.response is not None or result.error is None:
+        return True
+    if result.error.reached_upstream:
+        return True
+    return result.attempts > 1 and may_resend(route.retry, method, has_key)
+
+
 async def capture(
     store: DlqStore | None,
     route: Route,
     method: str,
     target: str,
     headers: list[tuple[bytes, bytes]],
-    body: bytes | None,
+    body: KeptBody,
     fate: Fate,
     attempts: int,
     final_status: int | None,
     error: str | None,
     on_write: OnWrite,
+    result: SequenceResult | None,
 ) -> Captured | None:
     """Store the request if it is a write on a DLQ route that ended in a transient failure.
 
-    Returns None when the DLQ does not apply; otherwise what the client is told. The record is
-    durable on disk before this returns "stored".
+    ``result`` is the sequence's result (None when the breaker refused it). Returns None when
+    the DLQ does not apply; otherwise what the client is told. The record is
+    durable on disk before this returns "stored". A body that was streamed rather than held
+    whole is never stored (``body-too-large``): the DLQ keeps the request exactly or not at all.
     """
     if not route.dlq.enabled or method not in WRITE_METHODS:
         return None
     if not transient_failure(fate, final_status, error is not None):
         return None
-    if body is None and fate is Fate.BODY_TOO_LARGE:
+    if body.data is None:
         on_write(route.name, "body-too-large")
         return Captured("body-too-large")
     if store is None:
         on_write(route.name, "unavailable")
         return Captured("unavailable")
-    idem = None
-    for k, v in headers:
-        if k.lower() == b"idempotency-key":
-            idem = v.decode("latin-1")
-            break
+    key = idempotency_key(headers)
     rec = NewRecord(
         route=route.name,
         method=method,
         target=target,
-        headers=storable_headers(headers, route.dlq.keep_credentials),
-        body=body or b"",
+        headers=storable_headers(headers, route.dlq.keep_credentials, route.dlq.drop_headers),
+        body=body.data,
         fate=fate.value,
         attempts=attempts,
         last_status=final_status,
         last_error=error,
-        idempotency_key=idem,
+        idempotency_key=key,
         created_at=time.time(),
+        reached_upstream=reached_upstream(result, route, method, key is not None),
     )
     try:
         rid = await store.add(rec)

@@ -1,44 +1,60 @@
-"""Replaying DLQ records through the route's current policy, and the automatic redrive.
+"""Replaying DLQ records through the route's current policy.
 
 A replay is the stored request sent through the same sequence runner as live traffic (breaker,
 budget, bulkhead, retries), with the same Idempotency-Key and ``x-retry-replay: <id>``.
 Delivery is at-least-once: an upstream may have applied a write whose answer was lost, so
 upstreams should honour the Idempotency-Key.
+
+Ownership: a replay first claims its record in the store (``DlqStore.claim``, a compare-and-set
+in the file), so that nothing else -- another replay, the redrive, another process sharing the
+file -- sends it meanwhile, and a delivered record is never claimed again. The claim is given
+back on every exit: with the outcome when the replay ends, or as a bare release (marking the
+record as possibly sent) when the replay is cancelled half-way. A claim is a lease of
+``route.timeout + EXECUTE_SLACK + DRAIN_LIMIT + LEASE_MARGIN`` (45 s more than the route's
+deadline): the sequence is cut at ``route.timeout + EXECUTE_SLACK`` and the response body at
+``DRAIN_LIMIT``, so a live process finishes well before its lease ends, and a process that dies
+leaves a claim that anyone may take over once it expired.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sidecar.config.model import Config
-from sidecar.core import UpstreamError
-from sidecar.dlq.store import DlqStore
+from sidecar.config.model import Config, Route
+from sidecar.core import Fate, LocalOverload, UpstreamError
+from sidecar.dlq.capture import reached_upstream
+from sidecar.dlq.errors import ClaimRefused, DlqError, RecordNotFound
+from sidecar.dlq.record import safe_to_resend
+from sidecar.dlq.store import DlqStore, Finish
 from sidecar.engine.deps import EngineDeps
+from sidecar.engine.loop import SequenceResult
 from sidecar.engine.sequence import Exchange, Sequence
-from sidecar.retry.breaker import State
 from sidecar.retry.deadline import Deadline
 from sidecar.upstream.client import UpstreamResponse
 
 log = logging.getLogger("sidecar.dlq")
 
 DELIVERED_RETENTION = 24 * 3600.0  # delivered records are kept this long for audit
-DRAIN_TIMEOUT = 30.0
+EXECUTE_SLACK = 5.0  # a replay's sequence is cut this long after its route's deadline
+DRAIN_LIMIT = 10.0  # a replay's response body is read (and dropped) for at most this long
+LEASE_MARGIN = 30.0  # a claim outlives its replay's own time limits by this much
+FINISH_TRIES = (0.2, 1.0, 3.0)  # pauses between tries to record an outcome the disk refused
+UNSAFE = (
+    "not resent automatically: it may have reached the upstream, and the route's "
+    "non_idempotent rule does not allow resending it (no Idempotency-Key); replay it by hand "
+    "once you know it was not applied"
+)
 
 
-class ReplayBusy(Exception):
-    pass
-
-
-class ReplayNotFound(Exception):
-    pass
-
-
-class ReplayRouteGone(Exception):
+class ReplayRouteGone(ClaimRefused):
     pass
 
 
@@ -60,54 +76,129 @@ class ReplayOutcome:
         }
 
 
+def new_owner() -> str:
+    """Who holds a claim: host, process and a random part (a restarted process with the same
+    pid is someone else)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+def lease_for(route: Route) -> float:
+    return route.timeout + EXECUTE_SLACK + DRAIN_LIMIT + LEASE_MARGIN
+
+
+def next_status(http_status: int | None, replays: int, max_replays: int) -> tuple[str, str | None]:
+    """Where a record goes after a replay that was sent: (status, parked_reason). Pure."""
+    if http_status is not None and http_status < 400:
+        return "delivered", None
+    if http_status is not None and http_status < 500:
+        # The upstream's own answer: replaying again will not change it.
+        return "parked", f"the upstream answered {http_status}"
+    if replays >= max_replays:
+        return "parked", f"max_replays ({max_replays}) reached"
+    return "pending", None
+
+
 class Replayer:
     def __init__(
         self,
         store: DlqStore,
         deps: EngineDeps,
         config: Callable[[], Config],
+        owner: str | None = None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.deps = deps
         self._config = config
-        self.in_progress: set[str] = set()
+        self.owner = owner or new_owner()
+        self._wall = wall
         self._next_slot: dict[str, float] = {}
 
     async def _pace(self, route: str, rate: float) -> None:
-        """At most ``rate`` replays per second per route."""
+        """At most ``rate`` replays per second per route (in this process)."""
         now = time.monotonic()
         slot = max(now, self._next_slot.get(route, 0.0))
         self._next_slot[route] = slot + 1.0 / rate
         if slot > now:
             await asyncio.sleep(slot - now)
 
-    async def replay_one(self, rid: str) -> ReplayOutcome:
-        if rid in self.in_progress:
-            raise ReplayBusy(f"record {rid} is being replayed already")
-        self.in_progress.add(rid)
-        try:
-            return await self._replay(rid)
-        finally:
-            self.in_progress.discard(rid)
-
-    async def _replay(self, rid: str) -> ReplayOutcome:
+    async def replay_one(
+        self,
+        rid: str,
+        statuses: Iterable[str] = ("pending", "parked"),
+        automatic: bool = False,
+    ) -> ReplayOutcome:
+        """Claim, send and record one record. ``automatic`` (the redrive) sends only what is
+        safe to resend and parks the rest. Raises ClaimRefused subclasses when the record is
+        gone, delivered, claimed by another replay or not in ``statuses``; DlqError when the
+        store fails."""
         rec = await self.store.get(rid)
         if rec is None:
-            raise ReplayNotFound(f"no DLQ record {rid}")
-        config = self._config()
-        route = config.route(rec["route"])
+            raise RecordNotFound(f"no DLQ record {rid}")
+        route = self._config().route(rec["route"])
         if route is None:
             raise ReplayRouteGone(f"route {rec['route']} is no longer configured")
         await self._pace(route.name, route.dlq.replay_rate)
+        claimed = await self._claim(rid, statuses, lease_for(route))
+        sent = False
+        settled = False  # the outcome is being recorded: no bare release any more
+        try:
+            key = claimed["idempotency_key"]
+            if automatic and not safe_to_resend(
+                route.retry, claimed["method"], key, claimed["reached_upstream"]
+            ):
+                outcome = ReplayOutcome(rid, "parked", None, "not-sent", 0)
+                fin = Finish(
+                    "parked", False, claimed["last_status"], claimed["last_error"], False, UNSAFE
+                )
+            else:
+                sent = True  # a cancellation from here on may leave bytes at the upstream
+                outcome, fin = await self._send(route, claimed)
+            # The finish is queued even if this task is cancelled while awaiting it; if the
+            # disk refuses it for good, the claim is left to expire rather than released
+            # without its outcome (a delivery that was not recorded must not be resent early).
+            settled = True
+            await self._record(rid, fin, outcome)
+        finally:
+            if not settled:
+                self.store.release_soon(rid, self.owner, sent)
+        log.info(
+            "DLQ replay of %s on route %s: %s (%s, http %s)",
+            rid,
+            route.name,
+            outcome.status,
+            outcome.fate,
+            outcome.http_status,
+        )
+        return outcome
+
+    async def _claim(self, rid: str, statuses: Iterable[str], lease: float) -> dict[str, Any]:
+        fut = self.store.claim(rid, self.owner, statuses, lease, self._wall())
+        try:
+            # Shielded: the claim commits whatever happens to this task, so a cancelled
+            # caller must still give back what it was granted.
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(lambda f: self._release_granted(rid, f))
+            raise
+
+    def _release_granted(self, rid: str, fut: asyncio.Future[Any]) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.store.release_soon(rid, self.owner, False)
+
+    async def _send(self, route: Route, rec: dict[str, Any]) -> tuple[ReplayOutcome, Finish]:
+        rid: str = rec["id"]
         body: bytes = rec["body_bytes"]
+        method: str = rec["method"]
+        has_key = bool((rec["idempotency_key"] or "").strip())
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in rec["headers"]]
         headers.append((b"x-retry-replay", rid.encode()))
-        if body or rec["method"] in ("POST", "PUT", "PATCH"):
+        if body or method in ("POST", "PUT", "PATCH"):
             headers.append((b"Content-Length", str(len(body)).encode()))
         clock = self.deps.clock
         ex = Exchange(
             route=route,
-            method=rec["method"],
+            method=method,
             target=rec["target"],
             headers=headers,
             body=body,
@@ -115,107 +206,115 @@ class Replayer:
             replayable=True,
             edge=None,
             deadline=Deadline.start(clock.monotonic(), route.timeout),
-            idempotency_key=rec["idempotency_key"] is not None,
+            idempotency_key=has_key,
         )
+        config_name = self._config().name.encode()
+        result: SequenceResult | None = None  # stays None when the breaker refused
         http_status: int | None = None
-        error: str | None = None
-        async with Sequence(self.deps, config.name.encode(), ex) as seq:
-            result = seq.result
-            if result is None:
-                fate, attempts, error = "breaker-open", 0, "breaker open"
-            else:
-                fate, attempts = result.fate.value, result.attempts
-                if result.response is not None:
+        try:
+            async with (
+                asyncio.timeout(route.timeout + EXECUTE_SLACK + DRAIN_LIMIT),
+                Sequence(self.deps, config_name, ex) as seq,
+            ):
+                result = seq.result
+                if result is not None and result.response is not None:
                     http_status = result.response.status
                     if not await _drain(result.response, route.retry.per_try_timeout):
-                        seq.body_failed()
-                elif result.error is not None:
-                    error = str(result.error)
-        replays = int(rec["replays"]) + (1 if attempts > 0 else 0)
-        if http_status is not None and http_status < 400:
-            status = "delivered"
-        elif http_status is not None and http_status < 500:
-            status = "parked"  # the upstream's answer: replaying again will not change it
-        elif replays >= route.dlq.max_replays:
-            status = "parked"
-        else:
-            status = "pending"
-        await self.store.set_status(
-            rid, status, count_replay=attempts > 0, last_status=http_status, last_error=error
-        )
-        log.info(
-            "DLQ replay of %s on route %s: %s (%s, http %s)",
-            rid,
-            route.name,
-            status,
-            fate,
-            http_status,
-        )
-        return ReplayOutcome(rid, status, http_status, fate, attempts)
+                        seq.body_failed()  # the upstream broke mid-body
+        except TimeoutError:
+            if http_status is None:  # no answer in time (an answer's status stands)
+                fin = self._after_send(rec, route, None, "the replay ran out of time", True)
+                return ReplayOutcome(rid, fin.status, None, Fate.DEADLINE.value, 1), fin
+        if result is None or result.attempts == 0 or isinstance(result.error, LocalOverload):
+            # Nothing was tried (breaker refused, no room, no time left): the record stays as
+            # it was, and no replay is counted.
+            fate = Fate.BREAKER_OPEN if result is None else result.fate
+            fin = Finish(
+                rec["status"], False, rec["last_status"], rec["last_error"], False,
+                rec["parked_reason"],
+            )  # fmt: skip
+            attempts = 0 if result is None else result.attempts
+            return ReplayOutcome(rid, rec["status"], None, fate.value, attempts), fin
+        reached = reached_upstream(result, route, method, has_key)
+        error = str(result.error) if result.error is not None else None
+        fin = self._after_send(rec, route, http_status, error, reached)
+        return ReplayOutcome(rid, fin.status, http_status, result.fate.value, result.attempts), fin
+
+    def _after_send(
+        self,
+        rec: dict[str, Any],
+        route: Route,
+        http_status: int | None,
+        error: str | None,
+        reached: bool,
+    ) -> Finish:
+        replays = int(rec["replays"]) + 1
+        status, reason = next_status(http_status, replays, route.dlq.max_replays)
+        return Finish(status, True, http_status, error, reached, reason)
+
+    async def _record(self, rid: str, fin: Finish, outcome: ReplayOutcome) -> None:
+        """Record the outcome and give the claim back. A disk that refuses is tried again a
+        few times: forgetting a delivery would let it be sent again after the lease."""
+        for pause in (*FINISH_TRIES, None):
+            try:
+                if not await self.store.finish(rid, self.owner, fin, self._wall()):
+                    log.error(
+                        "DLQ record %s: the claim was lost before the replay ended (purged, or "
+                        "its lease expired and another replay took it); outcome %s not recorded",
+                        rid,
+                        outcome.status,
+                    )
+                return
+            except DlqError as exc:
+                if pause is None:
+                    log.error(
+                        "DLQ record %s: replay outcome %s (http %s) could not be recorded: %s; "
+                        "the record stays claimed until its lease expires",
+                        rid,
+                        outcome.status,
+                        outcome.http_status,
+                        exc,
+                    )
+                    raise
+                await asyncio.sleep(pause)
 
     async def replay_batch(
         self, route: str | None, status: str, limit: int, dry_run: bool
     ) -> dict[str, Any]:
         rows, _ = await self.store.list(route=route, status=status, limit=limit, newest_first=False)
-        ids = [r["id"] for r in rows if r["id"] not in self.in_progress]
+        now = self._wall()
+        ids = [
+            r["id"]
+            for r in rows
+            if r["claimed_by"] is None or (r["claim_expires_at"] or 0.0) <= now
+        ]
         if dry_run:
             return {"dry_run": True, "would_replay": ids}
-        results = []
+        results: list[dict[str, Any]] = []
         for rid in ids:
             try:
-                results.append((await self.replay_one(rid)).as_json())
-            except (ReplayBusy, ReplayNotFound, ReplayRouteGone) as exc:
+                results.append((await self.replay_one(rid, statuses=(status,))).as_json())
+            except ClaimRefused as exc:
                 results.append({"id": rid, "error": str(exc)})
+            except DlqError as exc:
+                results.append({"id": rid, "error": str(exc)})
+                break  # the store is failing: stop here, report what was done
         return {"dry_run": False, "replayed": results}
-
-    # -- background work ------------------------------------------------------------------
-
-    async def redrive_loop(self) -> None:
-        """Replay pending records oldest first, per route with redrive enabled, while that
-        route's breaker is closed."""
-        last_run: dict[str, float] = {}
-        while True:
-            await asyncio.sleep(1.0)
-            config = self._config()
-            for route in config.routes:
-                rd = route.dlq.redrive
-                if not (route.dlq.enabled and rd.enabled):
-                    continue
-                now = time.monotonic()
-                if now - last_run.get(route.name, 0.0) < rd.interval:
-                    continue
-                last_run[route.name] = now
-                await self._redrive_route(route.name)
-
-    async def _redrive_route(self, name: str) -> None:
-        state = self.deps.states.get(name)
-        rows, _ = await self.store.list(route=name, status="pending", limit=100, newest_first=False)
-        for r in rows:
-            if state.breaker.state is not State.CLOSED or self.deps.life.draining:
-                return
-            try:
-                await self.replay_one(r["id"])
-            except (ReplayBusy, ReplayNotFound, ReplayRouteGone):
-                continue
-
-    async def prune_loop(self) -> None:
-        while True:
-            await asyncio.sleep(60.0)
-            try:
-                n = await self.store.prune_delivered(time.time() - DELIVERED_RETENTION)
-                if n:
-                    log.info("pruned %d delivered DLQ records past the audit window", n)
-            except Exception as exc:  # keep pruning later; the proxy keeps serving
-                log.warning("DLQ prune failed: %s", exc)
 
 
 async def _drain(response: UpstreamResponse, idle: float) -> bool:
-    """Read the replayed response to its end; False if the upstream broke mid-body."""
+    """Read the replay's response to its end (so its connection can be reused), for at most
+    DRAIN_LIMIT; the status is what counts, the body is dropped. False if the upstream broke
+    mid-body. On any other early exit the sequence's scope discards the response."""
     try:
-        while await response.read_chunk(idle):
-            pass
+        async with asyncio.timeout(DRAIN_LIMIT):
+            while await response.read_chunk(idle):
+                pass
     except UpstreamError:
         response.discard()
         return False
+    except TimeoutError:
+        response.discard()
+        return True
     response.release()
     return True

@@ -6,74 +6,80 @@ group, not per record. ``add`` returns only after its transaction committed: an 
 client is on disk. When the store is full (``max_records``/``max_bytes`` of pending+parked
 records) a new record is refused with DlqFull and nothing stored is dropped; any SQLite or OS
 error (disk full, read-only, I/O) refuses with DlqUnavailable and the proxy keeps serving.
+
+Replays claim a record in the file itself (a compare-and-set on its status and claim), so no two
+replays anywhere -- in this process or another one sharing the file -- send it at once, and a
+delivered record is never sent again. A claim is a lease: a process that dies holding one leaves
+it behind until ``claim_expires_at``, after which anyone may claim the record again (it is then
+marked as possibly having reached the upstream, since nobody knows how far the dead replay got).
+
+The counts and the oldest pending record's age (the ``dlq_records`` and
+``dlq_oldest_record_age_seconds`` gauges) are published by the writer thread after each group
+and recounted from the file every ``REFRESH_EVERY`` seconds, which also picks up what other
+processes wrote; a metrics scrape only reads that published value and never touches SQLite.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
-import queue
 import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar.dlq import schema
+from sidecar.dlq.errors import (
+    DlqFull,
+    DlqUnavailable,
+    RecordBusy,
+    RecordDelivered,
+    RecordNotFound,
+    RecordNotInStatus,
+)
 from sidecar.dlq.record import NewRecord
+from sidecar.dlq.writer import Delta, GroupWriter, Operation
 
 log = logging.getLogger("sidecar.dlq")
 
-GROUP_MAX = 512
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS records (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT NOT NULL UNIQUE,
-    route TEXT NOT NULL,
-    status TEXT NOT NULL,
-    method TEXT NOT NULL,
-    target TEXT NOT NULL,
-    headers TEXT NOT NULL,
-    body BLOB NOT NULL,
-    fate TEXT NOT NULL,
-    attempts INTEGER NOT NULL,
-    last_status INTEGER,
-    last_error TEXT,
-    idempotency_key TEXT,
-    replays INTEGER NOT NULL DEFAULT 0,
-    size INTEGER NOT NULL,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS records_status_route ON records(status, route, seq);
-"""
+REFRESH_EVERY = 10.0  # seconds between full recounts of the file (other processes' writes)
 COLUMNS = (
     "seq, id, route, status, method, target, fate, attempts, last_status, last_error, "
-    "idempotency_key, replays, size, created_at, updated_at"
+    "idempotency_key, replays, size, created_at, updated_at, reached_upstream, claimed_by, "
+    "claimed_at, claim_expires_at, parked_reason"
 )
+_NCOLS = COLUMNS.count(",") + 1
+INSERT = (
+    "INSERT INTO records (id, route, status, method, target, headers, body, fate, attempts, "
+    "last_status, last_error, idempotency_key, size, created_at, updated_at, reached_upstream) "
+    "VALUES (?, ?, 'pending', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+ID_TRIES = 5
 
 
-class DlqError(Exception):
-    header = "unavailable"
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """What the gauges show; replaced whole by the writer thread, read by the loop."""
+
+    by_status: dict[str, int] = field(default_factory=dict)
+    oldest_pending: float | None = None  # created_at (epoch) of the oldest pending record
 
 
-class DlqFull(DlqError):
-    header = "full"
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The end of one claimed replay."""
 
-
-class DlqUnavailable(DlqError):
-    header = "unavailable"
-
-
-@dataclass
-class _Op:
-    fn: Callable[[sqlite3.Connection, dict[str, int]], Any]
-    fut: asyncio.Future[Any]
-    loop: asyncio.AbstractEventLoop
+    status: str  # pending | delivered | parked
+    count_replay: bool
+    last_status: int | None
+    last_error: str | None
+    reached: bool  # this replay may have put bytes on the wire to the upstream
+    parked_reason: str | None = None
 
 
 def new_id(now: float) -> str:
@@ -89,35 +95,45 @@ class DlqStore:
         max_bytes: int,
         *,
         max_page_count: int | None = None,
+        busy_timeout_ms: int = 5000,
     ) -> None:
         self.path = path
         self.max_records = max_records
         self.max_bytes = max_bytes
         self._max_page_count = max_page_count  # tests: a real "database or disk is full"
-        self._queue: queue.Queue[_Op | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._busy_timeout_ms = busy_timeout_ms
+        self._writer: GroupWriter | None = None
         self._reader: sqlite3.Connection | None = None
         self._read_lock = threading.Lock()
-        # Held only by the writer thread and read by the loop: counts of kept records.
+        # Written only by the writer thread: kept (pending + parked) records and bytes.
         self.held_records = 0
         self.held_bytes = 0
-        self.by_status: dict[str, int] = {}
+        self._by_status: dict[str, int] = {}
+        self.counts = Counts()
         self.corrupt_moved_to: str | None = None
         self.available = False
 
+    @property
+    def by_status(self) -> dict[str, int]:
+        return self.counts.by_status
+
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        return self._writer.depth() if self._writer is not None else 0
+
+    def set_limits(self, max_records: int, max_bytes: int) -> None:
+        """A reload: new bounds apply to the next record stored. Lowering them below what is
+        held refuses new records (``full``); nothing stored is dropped."""
+        self.max_records = max_records
+        self.max_bytes = max_bytes
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def open(self) -> None:
         """Check, create or recover the file, then start the writer thread."""
-        directory = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(directory, exist_ok=True)
         if os.path.exists(self.path) and not self._healthy():
             stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
             moved = f"{self.path}.corrupt-{stamp}"
-            for suffix in ("", "-wal", "-shm"):
+            for suffix in schema.SUFFIXES:
                 if os.path.exists(self.path + suffix):
                     os.replace(self.path + suffix, moved + suffix)
             self.corrupt_moved_to = moved
@@ -127,27 +143,24 @@ class DlqStore:
                 self.path,
                 moved,
             )
+        schema.prepare_private_file(self.path)
         writer = self._connect()
-        writer.executescript(SCHEMA)
-        for status, n, b in writer.execute(
-            "SELECT status, COUNT(*), COALESCE(SUM(size), 0) FROM records GROUP BY status"
-        ):
-            self.by_status[status] = n
-            if status != "delivered":
-                self.held_records += n
-                self.held_bytes += b
-        self._reader = self._connect()
-        self._thread = threading.Thread(
-            target=self._writer, args=(writer,), name="dlq-writer", daemon=True
-        )
-        self._thread.start()
+        try:
+            schema.migrate(writer)
+            self._recount(writer)
+            self._reader = self._connect()
+        except BaseException:
+            writer.close()
+            raise
+        self._writer = GroupWriter(writer, self._committed, self._recount, lambda: REFRESH_EVERY)
+        self._writer.start()
         self.available = True
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        conn.execute(f"PRAGMA busy_timeout={int(self._busy_timeout_ms)}")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=FULL")
-        conn.execute("PRAGMA busy_timeout=5000")
         if self._max_page_count is not None:
             conn.execute(f"PRAGMA max_page_count={int(self._max_page_count)}")
         return conn
@@ -165,81 +178,57 @@ class DlqStore:
         return row is not None and row[0] == "ok"
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=10)
-            self._thread = None
+        if self._writer is not None:
+            self._writer.stop()
+            self._writer = None
         if self._reader is not None:
             self._reader.close()
             self._reader = None
         self.available = False
 
-    # -- the writer thread -----------------------------------------------------------------
+    # -- what the writer thread keeps up to date -------------------------------------------
 
-    def _writer(self, conn: sqlite3.Connection) -> None:
-        try:
-            while True:
-                first = self._queue.get()
-                if first is None:
-                    return
-                batch = [first]
-                stop = False
-                while len(batch) < GROUP_MAX:
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is None:
-                        stop = True
-                        break
-                    batch.append(item)
-                self._run_batch(conn, batch)
-                if stop:
-                    return
-        finally:
-            conn.close()
+    def _recount(self, conn: sqlite3.Connection) -> None:
+        """Counts from the file itself: also what other processes sharing it wrote."""
+        by_status: dict[str, int] = {}
+        held_records = held_bytes = 0
+        for status, n, b in conn.execute(
+            "SELECT status, COUNT(*), COALESCE(SUM(size), 0) FROM records GROUP BY status"
+        ):
+            by_status[status] = n
+            if status != "delivered":
+                held_records += n
+                held_bytes += b
+        self.held_records, self.held_bytes, self._by_status = held_records, held_bytes, by_status
+        self._publish(conn)
 
-    def _run_batch(self, conn: sqlite3.Connection, batch: list[_Op]) -> None:
-        delta: dict[str, int] = {"records": 0, "bytes": 0}
-        outcomes: list[tuple[bool, Any]] = []
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            for op in batch:
-                conn.execute("SAVEPOINT op")
-                try:
-                    outcomes.append((True, op.fn(conn, delta)))
-                    conn.execute("RELEASE op")
-                except DlqFull as exc:
-                    conn.execute("ROLLBACK TO op")
-                    conn.execute("RELEASE op")
-                    outcomes.append((False, exc))
-            conn.execute("COMMIT")
-        except (sqlite3.Error, OSError) as exc:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
-            log.error("DLQ write failed (%d records refused): %s", len(batch), exc)
-            err = DlqUnavailable(f"DLQ storage failed: {exc}")
-            outcomes = [(False, err)] * len(batch)
-            delta = {}
+    def _publish(self, conn: sqlite3.Connection) -> None:
+        row = conn.execute(
+            "SELECT created_at FROM records WHERE status = 'pending' ORDER BY seq LIMIT 1"
+        ).fetchone()
+        self.counts = Counts(dict(self._by_status), float(row[0]) if row else None)
+
+    def _committed(self, conn: sqlite3.Connection, delta: Delta) -> None:
         self._apply_delta(delta)
-        for op, (ok, value) in zip(batch, outcomes, strict=True):
-            op.loop.call_soon_threadsafe(_settle, op.fut, ok, value)
+        self._publish(conn)
 
-    def _apply_delta(self, delta: dict[str, int]) -> None:
+    def _apply_delta(self, delta: Delta) -> None:
         self.held_records += delta.get("records", 0)
         self.held_bytes += delta.get("bytes", 0)
+        by_status = dict(self._by_status)
         for k, v in delta.items():
             if k.startswith("status:"):
                 s = k[7:]
-                self.by_status[s] = self.by_status.get(s, 0) + v
+                by_status[s] = by_status.get(s, 0) + v
+        self._by_status = by_status
 
-    async def _submit(self, fn: Callable[[sqlite3.Connection, dict[str, int]], Any]) -> Any:
-        if not self.available or self._thread is None:
+    def _enqueue(self, fn: Operation) -> asyncio.Future[Any]:
+        if not self.available or self._writer is None:
             raise DlqUnavailable("the DLQ is not open")
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
-        self._queue.put(_Op(fn, fut, loop))
-        return await fut
+        return self._writer.submit(fn)
+
+    async def _submit(self, fn: Operation) -> Any:
+        return await self._enqueue(fn)
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -247,79 +236,170 @@ class DlqStore:
         """Store durably; returns the id after the commit. Raises DlqFull or DlqUnavailable."""
         size = rec.size
 
-        def insert(conn: sqlite3.Connection, delta: dict[str, int]) -> str:
+        def insert(conn: sqlite3.Connection, delta: Delta) -> str:
             if self.held_records + delta["records"] + 1 > self.max_records:
                 raise DlqFull(f"the DLQ holds {self.max_records} records already")
             if self.held_bytes + delta["bytes"] + size > self.max_bytes:
                 raise DlqFull(f"the DLQ holds {self.max_bytes} bytes already")
-            rid = new_id(rec.created_at)
-            conn.execute(
-                "INSERT INTO records (id, route, status, method, target, headers, body, fate, "
-                "attempts, last_status, last_error, idempotency_key, size, created_at, "
-                "updated_at) VALUES (?, ?, 'pending', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    rid,
-                    rec.route,
-                    rec.method,
-                    rec.target,
-                    json.dumps(rec.headers),
-                    rec.body,
-                    rec.fate,
-                    rec.attempts,
-                    rec.last_status,
-                    rec.last_error,
-                    rec.idempotency_key,
-                    size,
-                    rec.created_at,
-                    rec.created_at,
-                ),
+            values = (
+                rec.route,
+                rec.method,
+                rec.target,
+                json.dumps(rec.headers),
+                rec.body,
+                rec.fate,
+                rec.attempts,
+                rec.last_status,
+                rec.last_error,
+                rec.idempotency_key,
+                size,
+                rec.created_at,
+                rec.created_at,
+                1 if rec.reached_upstream else 0,
             )
+            for tries_left in range(ID_TRIES - 1, -1, -1):
+                rid = new_id(rec.created_at)
+                try:
+                    conn.execute(INSERT, (rid, *values))
+                    break
+                except sqlite3.IntegrityError:
+                    # The same id in the same millisecond (32 random bits): draw again. Only
+                    # this statement was undone; raising would refuse the whole group.
+                    if tries_left == 0:
+                        raise
             delta["records"] += 1
             delta["bytes"] += size
-            delta["status:pending"] = delta.get("status:pending", 0) + 1
+            _move(delta, None, "pending")
             return rid
 
         result: str = await self._submit(insert)
         return result
 
-    async def set_status(
-        self,
-        rid: str,
-        status: str,
-        *,
-        count_replay: bool,
-        last_status: int | None,
-        last_error: str | None,
-    ) -> None:
-        now = time.time()
+    def claim(
+        self, rid: str, owner: str, statuses: Iterable[str], lease: float, now: float
+    ) -> asyncio.Future[dict[str, Any]]:
+        """Take the replay claim of one record, atomically in the file; the future gives the
+        record (with headers and body) as claimed. The claim commits even if nobody awaits the
+        future any more: a caller that is cancelled must give back what it was granted.
 
-        def update(conn: sqlite3.Connection, delta: dict[str, int]) -> None:
-            row = conn.execute("SELECT status, size FROM records WHERE id = ?", (rid,)).fetchone()
+        Granted only when the record's status is one of ``statuses`` and nobody holds an
+        unexpired claim. Otherwise raises RecordNotFound, RecordDelivered, RecordBusy or
+        RecordNotInStatus and changes nothing. Taking over an expired claim (its holder died)
+        marks the record as possibly having reached the upstream.
+        """
+        wanted = tuple(s for s in statuses if s != "delivered")
+        marks = ", ".join("?" for _ in wanted)
+
+        def take(conn: sqlite3.Connection, delta: Delta) -> dict[str, Any]:
+            cur = conn.execute(
+                "UPDATE records SET "
+                "reached_upstream = CASE WHEN claimed_by IS NOT NULL THEN 1 "
+                "ELSE reached_upstream END, "
+                "claimed_by = ?, claimed_at = ?, claim_expires_at = ? "
+                f"WHERE id = ? AND status IN ({marks}) "
+                "AND (claimed_by IS NULL OR claim_expires_at <= ?)",
+                (owner, now, now + lease, rid, *wanted, now),
+            )
+            if cur.rowcount == 1:
+                row = conn.execute(
+                    f"SELECT {COLUMNS}, headers, body FROM records WHERE id = ?", (rid,)
+                ).fetchone()
+                return _full(row)
+            row = conn.execute(
+                "SELECT status, claimed_by, claim_expires_at FROM records WHERE id = ?", (rid,)
+            ).fetchone()
             if row is None:
-                return
+                raise RecordNotFound(f"no DLQ record {rid}")
+            status, holder, expires = row
+            if status == "delivered":
+                raise RecordDelivered(f"record {rid} was delivered already; it is not sent again")
+            if holder is not None and expires is not None and expires > now:
+                raise RecordBusy(
+                    f"record {rid} is being replayed already (by {holder}, "
+                    f"claim expires in {expires - now:.0f}s)"
+                )
+            raise RecordNotInStatus(f"record {rid} is {status}, not {' or '.join(wanted)}")
+
+        return self._enqueue(take)
+
+    def _finish_op(self, rid: str, owner: str, fin: Finish, now: float) -> Operation:
+        def update(conn: sqlite3.Connection, delta: Delta) -> bool:
+            row = conn.execute(
+                "SELECT status, size FROM records WHERE id = ? AND claimed_by = ?", (rid, owner)
+            ).fetchone()
+            if row is None:
+                return False  # purged, or the claim expired and someone else took it
             old, size = row
             conn.execute(
                 "UPDATE records SET status = ?, replays = replays + ?, last_status = ?, "
-                "last_error = ?, updated_at = ? WHERE id = ?",
-                (status, 1 if count_replay else 0, last_status, last_error, now, rid),
+                "last_error = ?, updated_at = ?, "
+                "reached_upstream = CASE WHEN ? THEN 1 ELSE reached_upstream END, "
+                "parked_reason = ?, claimed_by = NULL, claimed_at = NULL, "
+                "claim_expires_at = NULL WHERE id = ? AND claimed_by = ?",
+                (
+                    fin.status,
+                    1 if fin.count_replay else 0,
+                    fin.last_status,
+                    fin.last_error,
+                    now,
+                    1 if fin.reached else 0,
+                    fin.parked_reason if fin.status == "parked" else None,
+                    rid,
+                    owner,
+                ),
             )
-            if old != status:
-                delta[f"status:{old}"] = delta.get(f"status:{old}", 0) - 1
-                delta[f"status:{status}"] = delta.get(f"status:{status}", 0) + 1
-                if status == "delivered":
+            if old != fin.status:
+                _move(delta, old, fin.status)
+                if fin.status == "delivered":
                     delta["records"] -= 1
                     delta["bytes"] -= size
+            return True
 
-        await self._submit(update)
+        return update
 
-    async def delete(self, rid: str) -> bool:
-        def remove(conn: sqlite3.Connection, delta: dict[str, int]) -> bool:
-            row = conn.execute("SELECT status, size FROM records WHERE id = ?", (rid,)).fetchone()
+    async def finish(self, rid: str, owner: str, fin: Finish, now: float) -> bool:
+        """Record a claimed replay's outcome and give the claim back. False when the claim was
+        no longer ours (it expired and was taken over, or the record was purged)."""
+        ok: bool = await self._submit(self._finish_op(rid, owner, fin, now))
+        return ok
+
+    def release_soon(self, rid: str, owner: str, reached: bool) -> None:
+        """Give a claim back without awaiting the commit: for a replay that was cancelled
+        half-way (its task may be cancelled again before an await returns). Queued in order
+        behind everything else; if the write fails the claim simply expires."""
+
+        def release(conn: sqlite3.Connection, delta: Delta) -> bool:
+            cur = conn.execute(
+                "UPDATE records SET claimed_by = NULL, claimed_at = NULL, "
+                "claim_expires_at = NULL, "
+                "reached_upstream = CASE WHEN ? THEN 1 ELSE reached_upstream END "
+                "WHERE id = ? AND claimed_by = ?",
+                (1 if reached else 0, rid, owner),
+            )
+            return cur.rowcount == 1
+
+        try:
+            fut = self._enqueue(release)
+        except DlqUnavailable:
+            return
+        fut.add_done_callback(_log_release)
+
+    async def delete(self, rid: str, now: float | None = None) -> bool:
+        """Purge one record; refused with RecordBusy while a replay holds its claim."""
+        at = time.time() if now is None else now
+
+        def remove(conn: sqlite3.Connection, delta: Delta) -> bool:
+            row = conn.execute(
+                "SELECT status, size, claimed_by, claim_expires_at FROM records WHERE id = ?",
+                (rid,),
+            ).fetchone()
             if row is None:
                 return False
-            status, size = row
+            status, size, holder, expires = row
+            if holder is not None and expires is not None and expires > at:
+                raise RecordBusy(f"record {rid} is being replayed (by {holder})")
             conn.execute("DELETE FROM records WHERE id = ?", (rid,))
-            delta[f"status:{status}"] = delta.get(f"status:{status}", 0) - 1
+            _move(delta, status, None)
             if status != "delivered":
                 delta["records"] -= 1
                 delta["bytes"] -= size
@@ -329,7 +409,7 @@ class DlqStore:
         return ok
 
     async def prune_delivered(self, older_than: float) -> int:
-        def prune(conn: sqlite3.Connection, delta: dict[str, int]) -> int:
+        def prune(conn: sqlite3.Connection, delta: Delta) -> int:
             cur = conn.execute(
                 "DELETE FROM records WHERE status = 'delivered' AND updated_at < ?", (older_than,)
             )
@@ -385,21 +465,18 @@ class DlqStore:
         )
         if not rows:
             return None
-        r = rows[0]
-        out = _summary(r[:15])
-        out["headers"] = [list(h) for h in json.loads(r[15])]
-        out["body_bytes"] = bytes(r[16])
-        return out
+        return _full(rows[0])
 
-    def oldest_pending_sync(self) -> float | None:
-        """For /metrics: one indexed read on the reader connection."""
-        rows = self._read(
-            "SELECT created_at FROM records WHERE status = 'pending' ORDER BY seq LIMIT 1", ()
-        )
-        return float(rows[0][0]) if rows else None
+
+def _move(delta: Delta, old: str | None, new: str | None) -> None:
+    if old is not None:
+        delta[f"status:{old}"] = delta.get(f"status:{old}", 0) - 1
+    if new is not None:
+        delta[f"status:{new}"] = delta.get(f"status:{new}", 0) + 1
 
 
 def _summary(r: tuple[Any, ...]) -> dict[str, Any]:
+    reached = r[15]
     return {
         "seq": r[0],
         "id": r[1],
@@ -416,13 +493,24 @@ def _summary(r: tuple[Any, ...]) -> dict[str, Any]:
         "size": r[12],
         "created_at": r[13],
         "updated_at": r[14],
+        "reached_upstream": None if reached is None else bool(reached),
+        "claimed_by": r[16],
+        "claimed_at": r[17],
+        "claim_expires_at": r[18],
+        "parked_reason": r[19],
     }
 
 
-def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
-    if fut.done():
+def _full(r: tuple[Any, ...]) -> dict[str, Any]:
+    out = _summary(r[:_NCOLS])
+    out["headers"] = [list(h) for h in json.loads(r[_NCOLS])]
+    out["body_bytes"] = bytes(r[_NCOLS + 1])
+    return out
+
+
+def _log_release(fut: asyncio.Future[Any]) -> None:
+    if fut.cancelled():
         return
-    if ok:
-        fut.set_result(value)
-    else:
-        fut.set_exception(value)
+    exc = fut.exception()
+    if exc is not None:
+        log.warning("giving back a DLQ replay claim failed (it will expire): %s", exc)

@@ -62,6 +62,7 @@ class Sequence:
         "_ex",
         "_exits",
         "_name",
+        "_period",
         "_probe",
         "_state",
         "_verdict",
@@ -76,6 +77,7 @@ class Sequence:
         self._state = deps.states.get(ex.route.name)
         self._exits = AsyncExitStack()
         self._probe: bool | None = None  # None: not admitted (nothing to record)
+        self._period = 0
         self._verdict: Verdict | None = None  # an override set while relaying the body
         self.result: SequenceResult | None = None  # None when the breaker refused
         self.refused_for = 0.0  # with a refusal: seconds until a probe is let through
@@ -97,6 +99,7 @@ class Sequence:
             self.refused_for = admission.retry_after
             return self
         self._probe = admission.probe
+        self._period = admission.period
         try:
             self._state.budget.record_request(now)
             wait = min(ex.route.bulkhead.queue_timeout, ex.deadline.remaining(now))
@@ -122,17 +125,18 @@ class Sequence:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc_type is not None:
-            # The client went away, or a local error: says nothing about the upstream.
-            await self._close(Verdict.NEUTRAL)
-            return
         result = self.result
         if result is None:
             await self._close(None)
             return
+        # The sequence ended before the exit: its result is the verdict even when the client
+        # left (or a local error happened) while the answer was relayed. Only a sequence the
+        # client abandoned before it ended is neutral (``__aenter__`` records that).
         v = self._verdict
         if v is None:
-            v = verdict(self._ex.route.retry, result.response_status, result.error)
+            v = verdict(
+                self._ex.route.retry, result.response_status, result.error, result.failed_before
+            )
         await self._close(v)
 
     async def _close(self, v: Verdict | None) -> None:
@@ -145,7 +149,11 @@ class Sequence:
             if self._probe is not None:
                 clock = self._deps.clock
                 self._state.breaker.record(
-                    clock.monotonic(), v or Verdict.NEUTRAL, self._probe, clock.wall()
+                    clock.monotonic(),
+                    v or Verdict.NEUTRAL,
+                    self._probe,
+                    clock.wall(),
+                    self._period,
                 )
                 self._probe = None
 

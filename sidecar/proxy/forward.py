@@ -31,6 +31,10 @@ HOP_BY_HOP = frozenset(
 REFRAMED = frozenset({b"content-length", b"expect"})
 # The sidecar's own request headers: read only from trusted peers, always re-set.
 OWN_REQUEST = frozenset({b"x-retry-attempt", b"x-retry-edge", b"x-request-timeout-ms"})
+# Set only by this sidecar's own DLQ replays (which do not pass through here), so that an
+# upstream can believe it: never passed on from any client, trusted peers included (an outer
+# sidecar's replay marker names a record in that sidecar's DLQ, not in this one's).
+REPLAY_MARKER = b"x-retry-replay"
 OWN_RESPONSE = frozenset(
     {
         b"x-retry-attempts",
@@ -94,6 +98,8 @@ def request_headers(
                     edge = v
                 elif lk == b"x-request-timeout-ms":
                     timeout = v
+            continue
+        if lk == REPLAY_MARKER:
             continue
         if lk == b"tracestate":
             tracestate.append(v)

@@ -19,7 +19,7 @@ from aiohttp.http import HttpVersion11
 from sidecar.config.model import Config, IpNetwork, Route
 from sidecar.core import Fate, UpstreamError
 from sidecar.dlq.capture import Captured, capture
-from sidecar.dlq.record import WRITE_METHODS
+from sidecar.dlq.record import WRITE_METHODS, KeptBody
 from sidecar.engine.loop import SequenceResult
 from sidecar.engine.sequence import Exchange, Sequence
 from sidecar.proxy import forward
@@ -242,6 +242,16 @@ class ProxyHandler:
             return await self._sequence(
                 request, config, route, shared, as_received, edge, timeout_ms, start, span
             )
+        except BodyTooLarge as exc:
+            deps.malformed("body-too-large")
+            resp413 = client_error(413, str(exc))
+            resp413.force_close()  # the rest of the body is not read
+            return self._finish(request, route, start, resp413, Fate.NOT_RETRYABLE, 0, None, span)
+        except BodyStalled as exc:
+            deps.malformed("body-timeout")
+            resp408 = client_error(408, str(exc))
+            resp408.force_close()
+            return self._finish(request, route, start, resp408, Fate.NOT_RETRYABLE, 0, None, span)
         except ClientGone:
             # The client aborted its upload: nobody to answer, nothing to blame upstream for.
             self._gone(request, route, start, span)
@@ -252,6 +262,13 @@ class ProxyHandler:
             # below has given back what it held; count it and let the cancellation go on.
             self._gone(request, route, start, span)
             raise
+        except Exception:
+            # A bug must not become a traceback per request: one bounded log line, a clean 502,
+            # and the request still counted and its span ended.
+            if self._internal_errors.allow():
+                log.exception("internal error while proxying %s", request.method)
+            resp = proxy_error(502, "internal", "internal error in the sidecar", "exhausted", 0)
+            return self._finish(request, route, start, resp, Fate.EXHAUSTED, 0, "internal", span)
 
     async def _sequence(
         self,
@@ -274,7 +291,11 @@ class ProxyHandler:
         replayable = True
         if request.body_exists:
             idle = config.limits.body_idle_timeout
-            prefix, ended = await _read_prefix(request, route.retry.max_body_bytes, idle)
+            max_total = config.limits.max_request_body
+            limit = min(route.retry.max_body_bytes, max_total)
+            prefix, ended = await _read_prefix(request, limit, idle)
+            if len(prefix) > max_total:  # a chunked body (no Content-Length to refuse early)
+                raise BodyTooLarge(f"request body over {max_total} bytes")
             if ended:
                 body = prefix
                 shared.append((b"Content-Length", str(len(prefix)).encode()))
@@ -309,15 +330,10 @@ class ProxyHandler:
             key is not None and key.strip() != "",
             span,
         )
-        try:
-            async with Sequence(deps, config.name.encode(), exchange) as seq:
-                return await self._respond(
-                    request, route, method, target, as_received, body, start, span, seq
-                )
-        except BodyTooLarge as exc:
-            resp413 = client_error(413, str(exc))
-            resp413.force_close()  # the rest of the body is not read
-            return self._finish(request, route, start, resp413, Fate.NOT_RETRYABLE, 1, None, span)
+        async with Sequence(deps, config.name.encode(), exchange) as seq:
+            return await self._respond(
+                request, route, method, target, as_received, body, start, span, seq
+            )
 
     async def _respond(
         self,
@@ -343,19 +359,19 @@ class ProxyHandler:
             error = str(result.error) if result.error is not None else None
         captured = None
         if route.dlq.enabled and method in WRITE_METHODS:  # skip the coroutine otherwise
-            stored_body = body if isinstance(body, bytes) else None
             captured = await capture(
                 deps.dlq,
                 route,
                 method,
                 target,
                 as_received,
-                stored_body,
+                KeptBody.of(body),
                 fate,
                 attempts,
                 status,
                 error,
                 deps.dlq_write,
+                result,
             )
         if captured is not None and captured.record_id and route.dlq.respond == "accepted":
             resp202 = accepted(captured.record_id, fate, attempts)
@@ -428,7 +444,7 @@ class ProxyHandler:
             err = result.error
             assert err is not None
             status, code = err.status, err.code
-            error_type = getattr(err, "proxy_status", None)
+            error_type = err.error_type if isinstance(err, UpstreamError) else err.proxy_status
             if fate is Fate.DEADLINE:
                 status, code, error_type = 504, "deadline", "http_response_timeout"
             message = MESSAGES.get(code, "the sidecar could not complete the request")

@@ -2,7 +2,7 @@
 
 aiohttp has no deadline for reading a request head (a client trickling one header line per
 second stays connected forever) and logs a traceback at ERROR for every malformed request
-(DESIGN.md section 8). This module subclasses its connection handler to:
+(a log flood anyone can cause). This module subclasses its connection handler to:
 
 - cut a request head that is not complete within ``limits.header_timeout`` with 408;
 - answer malformed requests itself: 431 for a request line or header over 8190 bytes or more
@@ -22,7 +22,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import StreamReader, web
 from aiohttp.http import HttpVersion10, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler, _ErrInfo
@@ -65,6 +65,7 @@ class GuardedRequestHandler(RequestHandler):
         self._guard = manager
         self._head_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
+        self._last_payload: StreamReader | None = None  # the body of the last request head
         self.in_request = False
         self._closing = False  # a request asked to close: later bytes are ignored
 
@@ -92,7 +93,17 @@ class GuardedRequestHandler(RequestHandler):
         self._feed(data)
 
     def _feed(self, data: bytes) -> None:
-        if data and not self.in_request and self._head_timer is None:
+        # Only bytes that start a new head arm the timer: the body of a request already
+        # answered early (413, breaker-open...) still arriving on a kept-alive connection must
+        # not, or an idle connection gets an unsolicited 408 that the client's next request
+        # reads as its answer.
+        last = self._last_payload
+        if (
+            data
+            and not self.in_request
+            and self._head_timer is None
+            and (last is None or last.is_eof())
+        ):
             self._head_timer = self._loop.call_later(
                 self._guard.header_timeout(), self._head_timed_out
             )
@@ -104,8 +115,9 @@ class GuardedRequestHandler(RequestHandler):
             self._cancel_head_timer()
             for i in range(before, len(self._messages)):
                 msg, payload = self._messages[i]
+                self._last_payload = payload
                 if isinstance(msg, RawRequestMessage) and msg.version not in _VERSIONS:
-                    # aiohttp accepts e.g. "HTTP/2.0" over HTTP/1.1 framing (DESIGN.md 8):
+                    # aiohttp accepts e.g. "HTTP/2.0" over HTTP/1.1 framing:
                     # refuse it before any handler sees it, answered as HTTP/1.x.
                     err = BadHttpMessage(f"unsupported HTTP version {msg.version}")
                     self._messages[i] = (_ErrInfo(400, err, err.message), payload)

@@ -37,13 +37,14 @@ _LEGAL = {
 }
 
 
-class IllegalTransition(RuntimeError):
+class IllegalTransition(Exception):  # not RuntimeError: mypyc compiles this module
     pass
 
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
     probe: bool  # a half-open probe: its outcome decides the state
+    period: int = 0  # which half-open period admitted the probe
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +55,6 @@ class Rejected:
 Admission = Admitted | Rejected
 # Shared answers for the common cases: admit() runs once per request.
 _ADMIT = Admitted(probe=False)
-_PROBE = Admitted(probe=True)
 OnTransition = Callable[[State, State], None]
 
 
@@ -67,6 +67,7 @@ class Breaker:
         self._window = Window(policy.window)  # a = sequences, b = failures
         self._probes_admitted = 0
         self._probe_successes = 0
+        self._period = 0  # counts half-open periods: a probe only has a say in its own
         self._on_transition = on_transition
 
     def update_policy(self, policy: BreakerPolicy) -> None:
@@ -84,6 +85,7 @@ class Breaker:
             self.opened_at = now
             self.opened_at_wall = wall
         elif to is State.HALF_OPEN:
+            self._period += 1
             self._probes_admitted = 0
             self._probe_successes = 0
         elif to is State.CLOSED:
@@ -103,15 +105,25 @@ class Breaker:
         if self.state is State.HALF_OPEN:
             if self._probes_admitted < self.policy.half_open_probes:
                 self._probes_admitted += 1
-                return _PROBE
+                return Admitted(probe=True, period=self._period)
             # Every probe slot is taken; wait for their verdict.
             return Rejected(min(1.0, self.policy.open_for))
         return _ADMIT
 
-    def record(self, now: float, verdict: Verdict, probe: bool, wall: float | None = None) -> None:
+    def record(
+        self,
+        now: float,
+        verdict: Verdict,
+        probe: bool,
+        wall: float | None = None,
+        period: int | None = None,
+    ) -> None:
         """The one verdict of one finished sequence. A NEUTRAL verdict (the upstream was
         never asked, or the client left) counts nowhere; a neutral probe hands its probe
-        slot back so the next sequence can probe instead."""
+        slot back so the next sequence can probe instead. A probe admitted in an earlier
+        half-open period (``period``, from its ``Admitted``) has no say in this one."""
+        if probe and period is not None and period != self._period:
+            return
         if verdict is Verdict.NEUTRAL:
             if probe and self.state is State.HALF_OPEN and self._probes_admitted > 0:
                 self._probes_admitted -= 1

@@ -73,22 +73,26 @@ def sequence_failed(policy: RetryPolicy, final_status: int | None, errored: bool
 
 
 def verdict(
-    policy: RetryPolicy, final_status: int | None, error: UpstreamError | LocalOverload | None
+    policy: RetryPolicy,
+    final_status: int | None,
+    error: UpstreamError | LocalOverload | None,
+    failed_before: bool = False,
 ) -> Verdict:
     """What a finished sequence tells its breaker (one verdict per sequence).
 
     Neutral when the upstream was never asked (the sidecar had no room, or the deadline was
     spent before a byte was written): that says nothing about its health, and a half-open
     probe that ends so must not decide the breaker's state either way. A connect failure is
-    a failure: nothing was sent, but the upstream could not be reached.
+    a failure: nothing was sent, but the upstream could not be reached. When the LAST attempt
+    was refused locally but an earlier one reached the upstream and failed (``failed_before``),
+    that earlier failure is the verdict.
     """
-    if isinstance(error, LocalOverload):
-        return Verdict.NEUTRAL
-    if (
+    local = isinstance(error, LocalOverload) or (
         isinstance(error, UpstreamError)
         and not error.reached_upstream
         and error.kind is not OutcomeKind.CONNECT_FAILURE
-    ):
-        return Verdict.NEUTRAL
+    )
+    if local:
+        return Verdict.FAILURE if failed_before else Verdict.NEUTRAL
     failed = sequence_failed(policy, final_status, error is not None)
     return Verdict.FAILURE if failed else Verdict.SUCCESS

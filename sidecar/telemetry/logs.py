@@ -30,7 +30,7 @@ def setup(level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # aiohttp logs a traceback at ERROR for every malformed request (DESIGN.md section 8);
+    # aiohttp logs a traceback at ERROR for every malformed request, a log flood anyone can cause;
     # the sidecar counts and rate-limits those itself.
     logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

@@ -112,7 +112,11 @@ class Histogram:
 
 
 class Metrics:
-    """The metrics of DESIGN.md section 7, and an EventSink that keeps them current."""
+    """The metrics listed in README.md ("Metrics"), and an EventSink that keeps them current.
+
+    Their names are a contract: the chart's dashboard and alerts use them, and
+    tests/test_monitoring.py fails when one is renamed.
+    """
 
     def __init__(self) -> None:
         self.requests = Counter("requests_total", "Client requests by route and fate.")

@@ -27,7 +27,17 @@ class PoolStats:
     waiting: int
 
 
+# What a queued caller is handed: a connection, or the right to open one (a reserved slot).
+Grant = Connection | None
+
+
 class Pool:
+    """Ownership: a connection is owned by exactly one of the idle list, a caller (from
+    ``acquire`` until ``release``), or a queued caller's grant. Queued callers are served first
+    come, first served: a released connection or a freed slot is handed to the head of the
+    queue directly, never left for a newcomer to take; a caller cancelled after it was handed
+    one gives it back (to the next in the queue, or the idle list)."""
+
     def __init__(
         self, loop: asyncio.AbstractEventLoop, host: str, port: int, settings: PoolSettings
     ) -> None:
@@ -36,8 +46,8 @@ class Pool:
         self.port = port
         self.settings = settings
         self._idle: list[Connection] = []
-        self._total = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._total = 0  # idle + busy + connecting + granted
+        self._waiters: deque[asyncio.Future[Grant]] = deque()
         self._closed = False
 
     def stats(self) -> PoolStats:
@@ -46,48 +56,86 @@ class Pool:
     async def acquire(self, connect_timeout: float) -> Connection:
         """An idle pooled connection (newest first), or a new one. ``connect_timeout`` is
         what is left of the attempt: it bounds the wait for a connection and the connect."""
-        while True:
-            while self._idle:
-                conn = self._idle.pop()
-                if conn.idle_handle is not None:
-                    conn.idle_handle.cancel()
-                    conn.idle_handle = None
-                if conn.usable():
-                    return conn
-                self._forget(conn)
-            if self._closed:
-                raise ConnectFailure("the upstream client is shut down")
+        if self._closed:
+            raise ConnectFailure("the upstream client is shut down")
+        if not self._waiters:  # nobody queued: no one to overtake
+            conn = self._take_idle()
+            if conn is not None:
+                return conn
             if self._total < self.settings.max_connections:
                 self._total += 1
-                try:
-                    return await self._connect(connect_timeout)
-                except BaseException:
-                    self._total -= 1
-                    self._wake_one()
-                    raise
-            # The wait for a free connection is part of the attempt's time: bounded by it
-            # (and so by the sequence deadline) as well as by wait_timeout.
-            deadline = self._loop.time() + connect_timeout
-            await self._wait_for_slot(min(self.settings.wait_timeout, connect_timeout))
-            connect_timeout = deadline - self._loop.time()
+                return await self._connect_reserved(connect_timeout)
+        # The wait for a free connection is part of the attempt's time: bounded by it (and
+        # so by the sequence deadline) as well as by wait_timeout.
+        deadline = self._loop.time() + connect_timeout
+        grant = await self._wait(min(self.settings.wait_timeout, connect_timeout))
+        if grant is not None:
+            return grant
+        return await self._connect_reserved(deadline - self._loop.time())
 
-    async def _wait_for_slot(self, wait: float) -> None:
-        fut: asyncio.Future[None] = self._loop.create_future()
+    def _take_idle(self) -> Connection | None:
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.idle_handle is not None:
+                conn.idle_handle.cancel()
+                conn.idle_handle = None
+            if conn.usable():
+                return conn
+            self._total -= 1  # closed while idle: its slot is free (the caller may use it)
+        return None
+
+    async def _connect_reserved(self, timeout: float) -> Connection:
+        """Connect in a slot already counted in ``_total``; the slot is freed on failure."""
+        try:
+            return await self._connect(timeout)
+        except BaseException:
+            self._total -= 1
+            self._grant_next()
+            raise
+
+    async def _wait(self, wait: float) -> Connection | None:
+        fut: asyncio.Future[Grant] = self._loop.create_future()
         self._waiters.append(fut)
         handle = self._loop.call_later(max(wait, 0.0), _expire, fut)
         try:
-            await fut
+            return await fut
         except BaseException:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                # Woken by a release, then cancelled before this waiter could use the
-                # wake-up (same loop turn): hand it on, or the next waiter sleeps until
-                # its own timeout while a connection is free.
-                self._wake_one()
+                # Handed a grant, then cancelled before it could be used (same loop turn):
+                # give it back, or it is lost with this caller.
+                grant = fut.result()
+                if grant is None:
+                    self._total -= 1
+                    self._grant_next()
+                else:
+                    self.release(grant)
             raise
         finally:
             handle.cancel()
             if fut in self._waiters:
                 self._waiters.remove(fut)
+
+    def _next_waiter(self) -> asyncio.Future[Grant] | None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                return fut
+        return None
+
+    def _grant_next(self) -> None:
+        """A slot may have freed: hand an idle connection or a slot to the head waiter."""
+        while self._waiters:
+            conn = self._take_idle()
+            if conn is None and self._total >= self.settings.max_connections:
+                return
+            fut = self._next_waiter()
+            if fut is None:
+                if conn is not None:
+                    self._park(conn)
+                return
+            if conn is None:
+                self._total += 1  # reserved for the waiter, which connects
+            fut.set_result(conn)
 
     async def _connect(self, timeout: float) -> Connection:
         timeout = min(timeout, self.settings.connect_timeout)
@@ -109,34 +157,32 @@ class Pool:
         return conn
 
     def release(self, conn: Connection) -> None:
-        """Give a connection back: kept if its exchange ended cleanly, else closed."""
+        """Give a connection back: kept if its exchange ended cleanly (handed straight to the
+        head waiter, else idle), else closed and its slot handed on."""
         if not self._closed and conn.reusable():
-            conn.idle_handle = self._loop.call_later(
-                self.settings.idle_timeout, self._expire_idle, conn
-            )
-            self._idle.append(conn)
-            self._wake_one()
+            fut = self._next_waiter()
+            if fut is not None:
+                fut.set_result(conn)
+            else:
+                self._park(conn)
             return
         conn.abort() if not conn.complete else conn.close()
-        self._forget(conn)
-
-    def _forget(self, conn: Connection) -> None:
         self._total -= 1
-        self._wake_one()
+        self._grant_next()
+
+    def _park(self, conn: Connection) -> None:
+        conn.idle_handle = self._loop.call_later(
+            self.settings.idle_timeout, self._expire_idle, conn
+        )
+        self._idle.append(conn)
 
     def _expire_idle(self, conn: Connection) -> None:
         conn.idle_handle = None
         if conn in self._idle:
             self._idle.remove(conn)
             conn.close()
-            self._forget(conn)
-
-    def _wake_one(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
+            self._total -= 1
+            self._grant_next()
 
     def close(self) -> None:
         self._closed = True
@@ -152,6 +198,6 @@ class Pool:
                 fut.set_exception(ConnectFailure("the upstream client is shut down"))
 
 
-def _expire(fut: asyncio.Future[None]) -> None:
+def _expire(fut: asyncio.Future[Grant]) -> None:
     if not fut.done():
         fut.set_exception(PoolExhausted("every upstream connection stayed busy"))

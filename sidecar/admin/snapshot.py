@@ -1,0 +1,240 @@
+"""A read-only picture of the running sidecar, for the status page, ``GET /status`` and the
+``retry-sidecar status`` verb.
+
+It only reads what already exists (the config snapshot, the route states, the kill switches,
+the metrics registry through the rate sampler, the DLQ through its reader connection) and
+changes nothing. The one query that touches the disk (``sidecar.dlq.figures``) runs in a thread,
+never on the loop.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from sidecar.admin.killswitch import KillSwitch, Switch
+from sidecar.admin.rates import RateSampler
+from sidecar.config.store import ConfigStore
+from sidecar.config.watch import Reloader
+from sidecar.core import Clock
+from sidecar.engine.routestate import RouteState, RouteStates
+from sidecar.lifecycle import Lifecycle
+from sidecar.retry.breaker import State
+from sidecar.telemetry.metrics import Metrics
+
+WINDOWS = {"10s": 10.0, "1m": 60.0, "5m": 300.0}
+DEFAULT_WINDOW = "1m"
+DLQ_CACHE_SECONDS = 1.0
+
+
+class DlqView(Protocol):
+    """The DLQ as the page reads it (``sidecar.dlq.figures.DlqFigures``)."""
+
+    def is_open(self) -> bool: ...
+
+    async def per_route(self, wall: float) -> dict[str, dict[str, Any]]: ...
+
+
+@dataclass
+class StatusSources:
+    """Everything the snapshot reads; wired once by the app."""
+
+    store: ConfigStore
+    reloader: Reloader | None
+    kill: KillSwitch
+    states: RouteStates
+    metrics: Metrics
+    clock: Clock
+    life: Lifecycle
+    rates: RateSampler
+    stats: Callable[[], dict[str, Any]]
+    dlq: DlqView
+    started_mono: float = field(default_factory=time.monotonic)
+    started_wall: float = field(default_factory=time.time)
+    _dlq_cache: tuple[float, dict[str, dict[str, Any]]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SwitchView:
+    scope: str
+    source: str  # admin | file
+    reason: str
+    set_by: str
+    set_at: float  # epoch seconds
+    expires_at: float
+    expires_in: float  # seconds
+
+
+@dataclass(frozen=True, slots=True)
+class RouteStatus:
+    name: str
+    upstream: str
+    requests: int  # finished sequences in the window
+    rps: float
+    success_ratio: float | None  # fate "success" / all; None without traffic
+    retries_per_request: float | None
+    fates: dict[str, int]
+    budget_left: int  # retries the budget allows right now
+    budget_retries: int  # retries counted in the budget's own window
+    budget_window: float
+    breaker: str  # closed | open | half-open
+    next_probe_in: float | None  # while open: seconds until a probe is let through
+    breaker_sequences: int
+    breaker_failures: int
+    in_flight: int
+    max_concurrent: int
+    switches: list[SwitchView]  # the active switches that cover this route
+    attempts_limit: int  # retry.attempts of the policy
+    dlq_enabled: bool
+    dlq_pending: int | None  # None when no DLQ is open
+    dlq_parked: int | None
+    dlq_oldest_pending_age: float | None
+    dlq_oldest_parked_age: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessStatus:
+    name: str
+    uptime: float
+    started_at: float
+    config_version: str
+    config_source: str
+    loaded_at: float
+    last_reload_ok: bool
+    last_reload_at: float | None
+    last_error: str | None
+    restart_required: list[str]
+    ready: bool
+    draining: bool
+    rss_bytes: int
+    open_fds: int
+    client_connections: int | None
+    upstream_connections: int
+    upstream_idle: int
+    dlq: str  # "open", "off" (no route uses it) or "unavailable"
+    dlq_path: str
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    at: float  # epoch seconds
+    window: str
+    window_seconds: float  # the span the figures actually cover
+    process: ProcessStatus
+    routes: list[RouteStatus]
+    switches: list[SwitchView]
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def switch_view(s: Switch, wall: float) -> SwitchView:
+    return SwitchView(
+        s.scope, s.source, s.reason, s.set_by, s.set_at, s.expires_at, max(0.0, s.expires_at - wall)
+    )
+
+
+def budget_left(st: RouteState, now: float) -> tuple[int, int]:
+    """(retries still allowed now, retries counted) by the rule the budget itself applies."""
+    p = st.budget.policy
+    requests, retries = st.budget.counts(now)
+    allowed = p.ratio * requests + p.min_per_second * p.window
+    return max(0, math.ceil(allowed - retries)), retries
+
+
+def _ratio(num: int, den: int) -> float | None:
+    return num / den if den else None
+
+
+async def take(src: StatusSources, window: str = DEFAULT_WINDOW) -> Status:
+    now, wall = src.clock.monotonic(), src.clock.wall()
+    config = src.store.current
+    win = src.rates.window(WINDOWS.get(window, WINDOWS[DEFAULT_WINDOW]))
+    switches = [switch_view(s, wall) for s in src.kill.active(now)]
+    dlq_open = src.dlq.is_open()
+    per_route_dlq = await dlq_figures(src)
+    routes = []
+    for r in config.routes:
+        st = src.states.get(r.name)
+        w = win.routes.get(r.name)
+        requests = w.requests if w else 0
+        fates = dict(sorted(w.fates.items(), key=lambda kv: -kv[1])) if w else {}
+        left, counted = budget_left(st, now)
+        b = st.breaker
+        next_probe = None
+        if b.state is State.OPEN and b.opened_at is not None:
+            next_probe = max(0.0, b.opened_at + b.policy.open_for - now)
+        seqs, fails = b.counts(now)
+        d = per_route_dlq.get(r.name, {})
+        routes.append(
+            RouteStatus(
+                name=r.name,
+                upstream=str(r.upstream),
+                requests=requests,
+                rps=requests / win.seconds if win.seconds > 0 else 0.0,
+                success_ratio=_ratio(fates.get("success", 0), requests),
+                retries_per_request=_ratio(w.retries, requests) if w else None,
+                fates=fates,
+                budget_left=left,
+                budget_retries=counted,
+                budget_window=st.budget.policy.window,
+                breaker=b.state.value,
+                next_probe_in=next_probe,
+                breaker_sequences=seqs,
+                breaker_failures=fails,
+                in_flight=st.bulkhead.in_flight,
+                max_concurrent=st.bulkhead.policy.max_concurrent,
+                switches=[s for s in switches if s.scope in ("global", f"route:{r.name}")],
+                attempts_limit=r.retry.attempts,
+                dlq_enabled=r.dlq.enabled,
+                dlq_pending=d.get("pending", 0) if dlq_open else None,
+                dlq_parked=d.get("parked", 0) if dlq_open else None,
+                dlq_oldest_pending_age=d.get("pending_age"),
+                dlq_oldest_parked_age=d.get("parked_age"),
+            )
+        )
+    stats = src.stats()
+    pools = stats.get("pool", {}).values()
+    reload_ok = src.metrics.reload_ok.values.get((), 1.0) == 1.0
+    reload_at = src.metrics.reload_ts.values.get(())
+    process = ProcessStatus(
+        name=config.name,
+        uptime=now - src.started_mono,
+        started_at=src.started_wall,
+        config_version=config.sha256,
+        config_source=config.source,
+        loaded_at=src.store.loaded.loaded_at,
+        last_reload_ok=reload_ok,
+        last_reload_at=reload_at,
+        last_error=src.store.last_error,
+        restart_required=list(src.reloader.restart_required) if src.reloader else [],
+        ready=src.life.ready,
+        draining=src.life.draining,
+        rss_bytes=int(stats.get("rss_bytes", 0)),
+        open_fds=int(stats.get("open_fds", -1)),
+        client_connections=stats.get("client_connections"),
+        upstream_connections=sum(int(p.get("total", 0)) for p in pools),
+        upstream_idle=sum(int(p.get("idle", 0)) for p in pools),
+        dlq="open" if dlq_open else _dlq_off(src),
+        dlq_path=config.dlq.path,
+    )
+    return Status(wall, window, win.seconds, process, routes, switches)
+
+
+def _dlq_off(src: StatusSources) -> str:
+    wanted = any(r.dlq.enabled for r in src.store.current.routes)
+    return "unavailable" if wanted else "off"
+
+
+async def dlq_figures(src: StatusSources) -> dict[str, dict[str, Any]]:
+    """Per route: ``pending``/``parked`` counts and ``pending_age``/``parked_age`` (seconds).
+    Cached for a second, so many open pages cost one read."""
+    now = src.clock.monotonic()
+    if src._dlq_cache is not None and now - src._dlq_cache[0] < DLQ_CACHE_SECONDS:
+        return src._dlq_cache[1]
+    out = await src.dlq.per_route(src.clock.wall())
+    src._dlq_cache = (now, out)
+    return out

@@ -1,0 +1,168 @@
+"""The ``status`` and ``killswitch`` verbs: the status page's picture as a terminal table (in
+the manner of ``linkerd viz stat``) and the kill switch, against a running sidecar."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, TextIO
+from urllib.parse import urlencode
+
+from sidecar.admin.client import AdminTarget, call
+from sidecar.admin.fmt import age, pct, rate, size
+
+
+def table(rows: list[list[str]], out: TextIO) -> None:
+    """Left-aligned columns two spaces apart; the last column is not padded."""
+    if not rows:
+        return
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        cells = [c.ljust(w) for c, w in zip(r, widths, strict=False)] + [r[-1]]
+        out.write("  ".join(cells).rstrip() + "\n")
+
+
+def _dash(s: str) -> str:
+    return s.replace("—", "-")
+
+
+def _call(target: AdminTarget, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    try:
+        return call(target, method, path, body)
+    except OSError as exc:
+        reason = getattr(exc, "reason", exc)
+        raise SystemExit(f"error: cannot reach the admin API at {target.base}: {reason}") from None
+
+
+def _fail(status: int, body: Any) -> int:
+    msg = body.get("error") if isinstance(body, dict) else body
+    print(f"error: {status}: {msg}", file=sys.stderr)
+    return 1
+
+
+def status_rows(st: dict[str, Any]) -> list[list[str]]:
+    rows = [
+        [
+            "ROUTE",
+            "REQ/S",
+            "SUCCESS",
+            "RETRIES/REQ",
+            "BREAKER",
+            "BUDGET",
+            "IN-FLIGHT",
+            "KILL-SWITCH",
+            "DLQ PEND/PARK",
+            "OLDEST",
+            "FATES",
+        ]
+    ]
+    for r in st["routes"]:
+        breaker = r["breaker"]
+        if r["next_probe_in"] is not None:
+            breaker += f" (probe {age(r['next_probe_in'])})"
+        switches = ",".join(f"{s['source']} {age(s['expires_in'])}" for s in r["switches"])
+        if r["dlq_pending"] is None:
+            dlq, oldest = ("off", "-") if not r["dlq_enabled"] else ("unavailable", "-")
+        else:
+            dlq = f"{r['dlq_pending']}/{r['dlq_parked']}"
+            ages = [a for a in (r["dlq_oldest_pending_age"], r["dlq_oldest_parked_age"]) if a]
+            oldest = age(max(ages)) if ages else "-"
+        rpr = r["retries_per_request"]
+        rows.append(
+            [
+                r["name"],
+                rate(r["rps"]),
+                _dash(pct(r["success_ratio"])),
+                "-" if rpr is None else f"{rpr:.2f}",
+                breaker,
+                str(r["budget_left"]),
+                f"{r['in_flight']}/{r['max_concurrent']}",
+                switches or "-",
+                dlq,
+                oldest,
+                ", ".join(f"{f} {n}" for f, n in r["fates"].items()) or "-",
+            ]
+        )
+    return rows
+
+
+def print_status(st: dict[str, Any], out: TextIO) -> None:
+    p = st["process"]
+    reload = "ok" if p["last_reload_ok"] else f"FAILED: {p['last_error']}"
+    conns = "-" if p["client_connections"] is None else p["client_connections"]
+    head = [
+        p["name"],
+        "DRAINING" if p["draining"] else "ready" if p["ready"] else "starting",
+        f"up {age(p['uptime'])}",
+        f"config {p['config_version'][:12]} (last reload {reload})",
+        f"rss {size(p['rss_bytes'])}",
+        f"client connections {conns}",
+        f"dlq {p['dlq']}",
+        f"window {st['window']} (covers {age(st['window_seconds'])})",
+    ]
+    out.write("  ".join(head) + "\n")
+    if p["restart_required"]:
+        out.write("needs a restart: " + "; ".join(p["restart_required"]) + "\n")
+    out.write("\n")
+    table(status_rows(st), out)
+    if st["switches"]:
+        out.write("\n")
+        print_switches(st["switches"], out)
+
+
+def print_switches(switches: list[dict[str, Any]], out: TextIO) -> None:
+    rows = [["SCOPE", "SOURCE", "EXPIRES", "SET-BY", "REASON"]]
+    for s in switches:
+        expires = s["expires_at"] if isinstance(s["expires_at"], str) else ""
+        if "expires_in" in s:
+            expires = f"in {age(s['expires_in'])}"
+        rows.append([s["scope"], s.get("source", "admin"), expires, s["set_by"], s["reason"]])
+    table(rows, out)
+
+
+def cmd_status(target: AdminTarget, window: str, as_json: bool) -> int:
+    status, body = _call(target, "GET", "/status?" + urlencode({"window": window}))
+    if status != 200:
+        return _fail(status, body)
+    if as_json:
+        print(json.dumps(body, indent=2))
+    else:
+        print_status(body, sys.stdout)
+    return 0
+
+
+def cmd_killswitch(
+    target: AdminTarget,
+    verb: str,
+    scope: str | None,
+    ttl: str | None,
+    reason: str | None,
+    as_json: bool,
+) -> int:
+    if verb == "list":
+        status, body = _call(target, "GET", "/killswitch")
+        if status != 200:
+            return _fail(status, body)
+        if as_json:
+            print(json.dumps(body, indent=2))
+        elif not body["switches"]:
+            print("no kill switch is active")
+        else:
+            print_switches(body["switches"], sys.stdout)
+        return 0
+    assert scope is not None
+    if verb == "set":
+        status, body = _call(
+            target, "PUT", "/killswitch", {"scope": scope, "ttl": ttl, "reason": reason}
+        )
+        if status != 200:
+            return _fail(status, body)
+        print(f"retries off for {body['scope']} until {body['expires_at']}: {body['reason']}")
+        return 0
+    status, body = _call(target, "DELETE", "/killswitch?" + urlencode({"scope": scope}))
+    if status != 200:
+        return _fail(status, body)
+    print(f"lifted {body['lifted']}")
+    for s in body.get("remaining", []):
+        print(f"still active from the {s['source']}: {s['scope']} until {s['expires_at']}")
+    return 0

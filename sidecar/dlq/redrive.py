@@ -1,0 +1,117 @@
+"""The DLQ's background work: the automatic redrive and the pruning of delivered records.
+
+Redrive replays a route's pending records, oldest first, every ``redrive.interval``. It sends
+only what is safe to resend without a human (see ``record.safe_to_resend``) and parks the rest.
+It goes through the breaker like any sequence: while the breaker is open each round offers one
+replay, which the breaker refuses until ``open_for`` has passed and then admits as a half-open
+probe -- so a route whose clients went quiet still recovers, with replays as its probes. A round
+stops at the first refusal.
+
+Neither loop dies of a failure: a storage error (or any bug) is logged, the route's next round
+is pushed back (doubling up to ``MAX_BACKOFF``), and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from sidecar.config.model import Config
+from sidecar.core import Fate
+from sidecar.dlq.errors import ClaimRefused
+from sidecar.dlq.replay import DELIVERED_RETENTION, Replayer
+from sidecar.dlq.store import DlqStore
+from sidecar.lifecycle import Lifecycle
+
+log = logging.getLogger("sidecar.dlq")
+
+TICK = 1.0  # how often the loop looks for a route that is due
+BATCH = 100  # records looked at per route and round
+MAX_BACKOFF = 300.0
+PRUNE_EVERY = 60.0
+
+
+def next_run(now: float, interval: float, failures: int) -> float:
+    """When a route's next round is due: ``interval`` after a good round, doubling (up to
+    MAX_BACKOFF, never below ``interval``) after each failed one. Pure."""
+    if failures <= 0:
+        return now + interval
+    return now + max(interval, min(MAX_BACKOFF, interval * 2.0**failures))
+
+
+class Redrive:
+    def __init__(
+        self,
+        replayer: Replayer,
+        config: Callable[[], Config],
+        life: Lifecycle,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.replayer = replayer
+        self._config = config
+        self._life = life
+        self._monotonic = monotonic
+        self._due: dict[str, float] = {}
+        self.failures: dict[str, int] = {}  # consecutive failed rounds, per route
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(TICK)
+            if self._life.draining:
+                continue
+            for route in self._config().routes:
+                rd = route.dlq.redrive
+                if not (route.dlq.enabled and rd.enabled):
+                    continue
+                now = self._monotonic()
+                if now < self._due.get(route.name, 0.0):
+                    continue
+                try:
+                    await self.round(route.name)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    n = self.failures.get(route.name, 0) + 1
+                    self.failures[route.name] = n
+                    self._due[route.name] = next_run(self._monotonic(), rd.interval, n)
+                    log.error(
+                        "DLQ redrive of route %s failed (%d in a row; next try in %.0fs): %s",
+                        route.name,
+                        n,
+                        self._due[route.name] - self._monotonic(),
+                        exc,
+                    )
+                else:
+                    if self.failures.pop(route.name, 0):
+                        log.info("DLQ redrive of route %s works again", route.name)
+                    self._due[route.name] = next_run(self._monotonic(), rd.interval, 0)
+
+    async def round(self, route: str) -> None:
+        rows, _ = await self.replayer.store.list(
+            route=route, status="pending", limit=BATCH, newest_first=False
+        )
+        for r in rows:
+            if self._life.draining:
+                return
+            try:
+                outcome = await self.replayer.replay_one(
+                    r["id"], statuses=("pending",), automatic=True
+                )
+            except ClaimRefused:
+                continue  # delivered, claimed or purged meanwhile: someone else has it
+            if outcome.fate == Fate.BREAKER_OPEN.value:
+                return  # the breaker is not letting anything through yet
+
+
+async def prune(store: DlqStore) -> None:
+    """Delete delivered records past the audit window, every minute, whatever fails."""
+    while True:
+        await asyncio.sleep(PRUNE_EVERY)
+        try:
+            n = await store.prune_delivered(time.time() - DELIVERED_RETENTION)
+            if n:
+                log.info("pruned %d delivered DLQ records past the audit window", n)
+        except Exception as exc:  # keep pruning later; the proxy keeps serving
+            log.warning("DLQ prune failed: %s", exc)
