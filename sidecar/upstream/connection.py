@@ -370,7 +370,17 @@ class Connection(asyncio.Protocol):
                 self._cancel_timer()
 
     def reusable(self) -> bool:
-        return self.state.reusable and self.error is None and not self.body and self.usable()
+        """Both sides ended cleanly, nothing is left unread or unsent (an upstream that
+        answered before taking the whole request would otherwise read our leftover bytes as
+        the start of the next request)."""
+        return (
+            self.state.reusable
+            and self.error is None
+            and not self.body
+            and self.usable()
+            and self.transport is not None
+            and self.transport.get_write_buffer_size() == 0
+        )
 
     def close(self) -> None:
         if self.transport is not None and self.state.link is not Link.CLOSED:
