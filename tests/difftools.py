@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.proc import free_port as proc_free_port
+
 ALL_CLIENTS = ("curl", "requests", "httpx", "urllib3", "aiohttp")
 
 RESPONSE_ADDITIONS = {b"x-retry-attempts", b"x-retry-fate"}
@@ -399,9 +401,9 @@ def parse_responses(data: bytes, methods: list[str]) -> list[Reply]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    # Below the ephemeral range: polling connect() to an ephemeral port that nothing listens on
+    # yet can self-connect and hold the very port a server is about to bind (tests/proc.py).
+    return proc_free_port()
 
 
 def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 20) -> None:
