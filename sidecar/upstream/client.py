@@ -9,6 +9,7 @@ from sidecar.core import ConnectFailure, NoTimeLeft, UpstreamError, UpstreamRese
 from sidecar.upstream.connection import Connection
 from sidecar.upstream.pool import Pool, PoolSettings, PoolStats
 from sidecar.upstream.states import Req
+from sidecar.upstream.upload import send_stream
 
 Headers = list[tuple[bytes, bytes]]
 Body = bytes | AsyncIterator[bytes] | None
@@ -150,7 +151,7 @@ class UpstreamClient:
                 head_wait = timeout - (loop.time() - started)
             else:
                 conn.write(head)
-                if await _send_stream(conn, body, chunked, timeout):
+                if await send_stream(conn, body, chunked, timeout):
                     conn.request_sent()
                 else:
                     conn.abandon_request()  # answered early: relay that answer, send no more
@@ -173,58 +174,6 @@ class UpstreamClient:
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
-
-
-async def _send_stream(
-    conn: Connection, body: AsyncIterator[bytes], chunked: bool, idle: float
-) -> bool:
-    """Send the body; False when the upstream answered before it was all sent (the rest of
-    the body is then left unread, as nginx and Envoy do with an early response).
-
-    Each read of the client's body races the upstream's answer, so that an upload refused
-    early (413, 401) is answered at once instead of when the client finishes sending."""
-    it = body.__aiter__()
-    answer: asyncio.Future[None] | None = None
-    nxt: asyncio.Future[bytes] | None = None
-    try:
-        while True:
-            if conn.has_answer():
-                return False
-            if conn.error is not None or conn.closed:
-                raise conn.error or UpstreamReset("upstream closed while the body was sent")
-            nxt = asyncio.ensure_future(it.__anext__())
-            if answer is None:
-                answer = asyncio.ensure_future(conn.wait_answer())
-            await asyncio.wait((nxt, answer), return_when=asyncio.FIRST_COMPLETED)
-            if not nxt.done():  # answered (or broke) before the client's next bytes came
-                if conn.has_answer():
-                    return False
-                raise conn.error or UpstreamReset("upstream closed while the body was sent")
-            try:
-                chunk = nxt.result()
-            except StopAsyncIteration:
-                break
-            finally:
-                nxt = None
-            if not chunk:
-                continue
-            if chunked:
-                conn.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-            else:
-                conn.write(chunk)
-            await conn.drain(idle)
-    finally:
-        for fut in (nxt, answer):
-            if fut is not None and not fut.done():
-                fut.cancel()
-        if nxt is not None:
-            # The client's body read is stopped; let it unwind before the caller goes on.
-            await asyncio.gather(nxt, return_exceptions=True)
-    if conn.has_answer():
-        return False
-    if chunked:
-        conn.write(b"0\r\n\r\n")
-    return True
 
 
 __all__ = ["ConnectFailure", "UpstreamClient", "UpstreamResponse"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 from enum import Enum
 
 
-class IllegalTransition(RuntimeError):
+class IllegalTransition(Exception):  # not RuntimeError: mypyc compiles this module
     """A move the state machine does not allow (a bug in the caller)."""
 
 
