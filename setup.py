@@ -21,7 +21,8 @@ from setuptools import setup
 # The modules every request runs through: the pure retry rules, the engine, the upstream client,
 # header rules and telemetry events/metrics. The rest (CLI, admin, config parsing, DLQ, the
 # aiohttp handler and server subclasses) stays interpreted: it is not on the per-request path,
-# or it subclasses aiohttp's classes, which mypyc cannot compile.
+# or it subclasses aiohttp's classes, which mypyc cannot compile, or it awaits inside a
+# ``finally`` block, whose exception unwinding mypyc gets wrong (upstream/upload.py).
 COMPILED = [
     "sidecar/core.py",
     "sidecar/retry/backoff.py",
@@ -42,6 +43,10 @@ COMPILED = [
     "sidecar/engine/routestate.py",
     "sidecar/engine/sequence.py",
     "sidecar/proxy/forward.py",
+    "sidecar/upstream/client.py",
+    "sidecar/upstream/connection.py",
+    "sidecar/upstream/pool.py",
+    "sidecar/upstream/states.py",
     "sidecar/proxy/routing.py",
     "sidecar/telemetry/events.py",
     "sidecar/telemetry/metrics.py",

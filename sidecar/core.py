@@ -6,6 +6,7 @@ See docs/architecture.md for the layering.
 
 from __future__ import annotations
 
+import socket
 import time
 from enum import Enum, StrEnum
 from typing import ClassVar
@@ -38,6 +39,9 @@ class OutcomeKind(Enum):
     CONNECT_FAILURE = "connect-failure"
     RESET = "reset"
     PER_TRY_TIMEOUT = "per-try-timeout"
+    # An answer that cannot be relayed as HTTP (bad status, transfer coding, head size): a
+    # property of the response, never retried.
+    BAD_RESPONSE = "bad-response"
 
 
 class Verdict(Enum):
@@ -69,6 +73,13 @@ class UpstreamError(Exception):
     code: ClassVar[str] = "upstream-reset"  # the x-retry-proxy-error value when the sidecar answers
     status: ClassVar[int] = 502
     reached_upstream: ClassVar[bool] = True  # may bytes of the request have reached the upstream?
+    # The RFC 9209 Proxy-Status error type of an answer the sidecar makes from this class of
+    # error; ``error_type`` is the one of this error (a connect failure knows "refused").
+    proxy_status: ClassVar[str] = "connection_terminated"
+
+    def __init__(self, message: str = "", error_type: str | None = None) -> None:
+        super().__init__(message)
+        self.error_type: str = error_type if error_type is not None else self.proxy_status
 
 
 class ConnectFailure(UpstreamError):
@@ -77,6 +88,16 @@ class ConnectFailure(UpstreamError):
     kind = OutcomeKind.CONNECT_FAILURE
     code = "connect-failure"
     reached_upstream = False
+    proxy_status = "destination_unavailable"
+
+
+def connect_error_type(exc: OSError) -> str:
+    """The RFC 9209 error type of a failed connect."""
+    if isinstance(exc, socket.gaierror):
+        return "dns_error"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection_refused"
+    return "destination_unavailable"
 
 
 class UpstreamReset(UpstreamError):
@@ -92,6 +113,7 @@ class AttemptTimeout(UpstreamError):
     kind = OutcomeKind.PER_TRY_TIMEOUT
     code = "per-try-timeout"
     status = 504
+    proxy_status = "http_response_timeout"
 
 
 class RetryStopped(UpstreamError):
@@ -109,12 +131,31 @@ class NoTimeLeft(AttemptTimeout):
     reached_upstream = False
 
 
+class BadResponse(UpstreamError):
+    """The upstream answered with something no client should get: a status outside 100-599,
+    a transfer coding other than chunked, a head over the size limits. A property of the
+    response, not a transient fault: never retried (nginx's default proxy_next_upstream does
+    not retry ``invalid_header`` either)."""
+
+    kind = OutcomeKind.BAD_RESPONSE
+    code = "bad-response"
+    proxy_status = "http_protocol_error"
+
+
+class BodyTimeout(UpstreamError):
+    """The upstream sent no body bytes for the stream idle timeout (after the head)."""
+
+    code = "stream-idle-timeout"
+    proxy_status = "http_response_timeout"
+
+
 class LocalOverload(Exception):
     """The sidecar itself has no room for the attempt; the upstream was not asked."""
 
     code: ClassVar[str] = "overloaded"
     status: ClassVar[int] = 503
     reached_upstream: ClassVar[bool] = False
+    proxy_status: ClassVar[str] = "connection_limit_reached"
 
 
 class PoolExhausted(LocalOverload):

@@ -210,3 +210,27 @@ def test_huge_documents_are_refused_before_parsing():
     lines = errors_of(text)
     # The size check comes before any YAML work: the refusal is about size, not content.
     assert lines == ["c.yaml:1: <document>: the document is larger than 1048576 bytes"]
+
+
+def test_stream_idle_timeout_is_inherited_overridden_and_checked():
+    c = parse_text(
+        """
+version: 1
+defaults:
+  stream_idle_timeout: 90s
+routes:
+  - {name: a, upstream: "http://h:1"}
+  - {name: sse, upstream: "http://h:1", stream_idle_timeout: 10m}
+"""
+    )
+    a, sse = c.route("a"), c.route("sse")
+    assert a is not None and sse is not None
+    assert (a.stream_idle_timeout, sse.stream_idle_timeout) == (90.0, 600.0)
+    plain = parse_text('version: 1\nroutes: [{name: a, upstream: "http://h:1"}]')
+    assert plain.routes[0].stream_idle_timeout == 60.0  # nginx's proxy_read_timeout
+    assert any(
+        "routes[0].stream_idle_timeout" in line
+        for line in errors_of(
+            'version: 1\nroutes: [{name: a, upstream: "http://h:1", stream_idle_timeout: 0s}]'
+        )
+    )

@@ -34,7 +34,7 @@ def test_shipped_defaults():
     assert r.timeout == 60.0
     assert r.retry.per_try_timeout is None  # auto
     assert r.retry.auto_timeout == AutoTimeout(0.95, 2.0, 0.05, 10.0)
-    assert r.read_timeout == 60.0
+    assert r.stream_idle_timeout == 60.0
     assert r.breaker == BreakerPolicy(
         enabled=True,
         failure_ratio=0.95,
@@ -155,7 +155,7 @@ def test_every_mechanism_can_be_switched_off_per_route():
         "    retry: {per_try_timeout: 2s}\n"
     ).routes[0]
     assert not (r.breaker.enabled or r.throttle.enabled or r.hedge.enabled)
-    assert not r.bulkhead.adaptive and r.retry.per_try_timeout == 2.0 and r.read_timeout == 2.0
+    assert not r.bulkhead.adaptive and r.retry.per_try_timeout == 2.0
 
 
 def test_dns_refresh():

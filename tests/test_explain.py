@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,8 @@ from sidecar.retry.worstcase import _Highest, budget_multiplier, simulate, stack
 from sidecar.telemetry.events import Recorder
 from sidecar.testing import FakeClock
 from sidecar.upstream.client import UpstreamResponse
+from sidecar.upstream.connection import Connection
+from sidecar.upstream.pool import Pool, PoolSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,18 +56,16 @@ class FakeSleepGate:
         self.clock.advance(delay)
 
 
-class FakeResponse(UpstreamResponse):
-    """A response with no connection (the engine type-checks what ``send`` returns)."""
-
-    def __init__(self, status: int, retry_after: str | None) -> None:
-        self.status = status
-        self._ra = retry_after
-
-    def header(self, name: bytes) -> bytes | None:
-        return self._ra.encode() if name == b"retry-after" and self._ra else None
-
-    def discard(self) -> None:
-        pass
+def fake_response(status: int, retry_after: str | None) -> UpstreamResponse:
+    """A real response object with no connection behind it: under the compiled build the engine
+    accepts nothing else, and a compiled class cannot be subclassed by a test."""
+    loop = asyncio.get_running_loop()
+    conn = Connection(loop, ("h", 1))
+    conn.status = status
+    conn.headers = [(b"retry-after", retry_after.encode())] if retry_after else []
+    up = UpstreamResponse(Pool(loop, "h", 1, PoolSettings()), conn)
+    up._done = True  # nothing to give back: no connection was ever made
+    return up
 
 
 class FakeAttempter:
@@ -150,7 +151,7 @@ async def test_worst_case_with_retry_after_matches_the_driver():
 
     async def slow_503(clock: FakeClock, timeout: float):
         clock.advance(timeout)
-        return FakeResponse(503, "120")
+        return fake_response(503, "120")
 
     wc = worst_case(route)
     attempts, elapsed = await drive(route, slow_503)

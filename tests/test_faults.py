@@ -71,10 +71,17 @@ async def test_post_without_key_is_not_resent_after_a_reset(sidecar_factory, cli
         assert_no_leak(sc)
 
 
-@pytest.mark.parametrize("fault", [faults.reset_mid_body, faults.slow_drip])
-async def test_body_faults_never_give_a_truncated_whole_response(sidecar_factory, client, fault):
+@pytest.mark.parametrize(
+    ("fault", "code"),
+    [(faults.reset_mid_body, "upstream-reset"), (faults.slow_drip, "stream-idle-timeout")],
+)
+async def test_body_faults_never_give_a_truncated_whole_response(
+    sidecar_factory, client, fault, code, caplog
+):
     async with raw_server(fault) as port:
-        sc = await sidecar_factory(routes_yaml(f"http://127.0.0.1:{port}", POLICY))
+        sc = await sidecar_factory(
+            routes_yaml(f"http://127.0.0.1:{port}", POLICY + "\n    stream_idle_timeout: 300ms")
+        )
         with pytest.raises(aiohttp.ClientPayloadError):
             async with client.get(sc.url + "/x") as resp:
                 assert resp.status == 200  # the head went out before the body broke
@@ -82,6 +89,14 @@ async def test_body_faults_never_give_a_truncated_whole_response(sidecar_factory
         await asyncio.sleep(0.1)
         assert_no_leak(sc)
         assert [a.outcome for a in sc.recorder.attempts] == ["200"]  # never retried
+        # Recorded as what it is, not a success, and logged at the default level.
+        [seq] = sc.recorder.sequences
+        assert (seq.fate, seq.proxy_error) == ("body-broken", code)
+        assert any(
+            r.levelname == "WARNING" and "broke mid-body" in r.getMessage() for r in caplog.records
+        )
+        metrics = sc.sidecar.metrics.render()
+        assert 'retry_sidecar_requests_total{route="main",fate="body-broken"} 1' in metrics
 
 
 async def test_connection_refused_is_a_connect_failure(sidecar_factory, client, unused_tcp_port):

@@ -17,7 +17,6 @@ from collections import Counter
 from collections.abc import AsyncIterator
 
 import aiohttp
-import pytest
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -52,11 +51,6 @@ def _fds() -> int:
 # -- the upstream connection: bytes nobody asked for, arriving with the answer --------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a second response in the same segment is parsed into the first: status and headers "
-    "overwritten/merged, the request retried, the connection pooled",
-)
 async def test_an_unsolicited_response_in_the_same_segment_is_neither_merged_nor_pooled(
     sidecar_factory,
 ):

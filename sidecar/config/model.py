@@ -179,6 +179,9 @@ class Route:
     budget: BudgetPolicy
     bulkhead: BulkheadPolicy
     dlq: RouteDlq
+    # The longest silence between two reads of a response body being relayed (after the head,
+    # which per_try_timeout bounds); nginx's proxy_read_timeout, 60 s.
+    stream_idle_timeout: float = 60.0
     throttle: ThrottlePolicy = field(default_factory=ThrottlePolicy)
     hedge: HedgePolicy = field(default_factory=HedgePolicy)
 
@@ -186,13 +189,6 @@ class Route:
     def upstream(self) -> Upstream:
         """The first endpoint: its authority is the Host of an HTTP/1.0 request without one."""
         return self.upstreams[0]
-
-    @property
-    def read_timeout(self) -> float:
-        """The idle timeout while an upstream response body is relayed: a fixed per-try
-        timeout, else the route's deadline (nginx's proxy_read_timeout is 60 s)."""
-        p = self.retry.per_try_timeout
-        return p if p is not None else self.timeout
 
 
 @dataclass(frozen=True, slots=True)

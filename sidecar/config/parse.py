@@ -62,7 +62,17 @@ HTTP_METHODS = frozenset(
 ROUTE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 MAX_ATTEMPTS = 10
 MAX_UPSTREAMS = 64
-ROUTE_SECTIONS = ("timeout", "retry", "breaker", "budget", "bulkhead", "throttle", "hedge", "dlq")
+ROUTE_SECTIONS = (
+    "timeout",
+    "stream_idle_timeout",
+    "retry",
+    "breaker",
+    "budget",
+    "bulkhead",
+    "throttle",
+    "hedge",
+    "dlq",
+)
 DEFAULT_TRUSTED = ("127.0.0.0/8", "::1/128")
 
 
@@ -466,6 +476,9 @@ class _Parser:
     ) -> dict[str, Any]:
         out = dict(base)
         out["timeout"] = self.field(raw, "timeout", path, _positive_duration, base["timeout"])
+        out["stream_idle_timeout"] = self.field(
+            raw, "stream_idle_timeout", path, _positive_duration, base["stream_idle_timeout"]
+        )
         if "retry" in raw:
             out["retry"] = self.retry(raw["retry"], (*path, "retry"), base["retry"])
         if "breaker" in raw:
@@ -524,6 +537,7 @@ class _Parser:
                     match=match,
                     upstreams=upstream,
                     timeout=sections["timeout"],
+                    stream_idle_timeout=sections["stream_idle_timeout"],
                     retry=sections["retry"],
                     breaker=sections["breaker"],
                     budget=sections["budget"],
@@ -541,6 +555,8 @@ class _Parser:
 DEFAULT_TIMEOUT = 60.0
 _DEFAULT_SECTIONS: dict[str, Any] = {
     "timeout": DEFAULT_TIMEOUT,
+    # nginx's proxy_read_timeout: the longest silence between two reads of a response body.
+    "stream_idle_timeout": 60.0,
     "retry": RetryPolicy(),
     "breaker": BreakerPolicy(),
     "budget": BudgetPolicy(),

@@ -219,7 +219,7 @@ class Replayer:
                 result = seq.result
                 if result is not None and result.response is not None:
                     http_status = result.response.status
-                    if not await _drain(result.response, route.read_timeout):
+                    if not await _drain(result.response, route.stream_idle_timeout):
                         seq.body_failed()  # the upstream broke mid-body
         except TimeoutError:
             if http_status is None:  # no answer in time (an answer's status stands)

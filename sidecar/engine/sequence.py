@@ -199,6 +199,8 @@ class Sequence:
         body, chunked, deadline, method = ex.body, ex.chunked, ex.deadline, ex.method
 
         def time_left() -> float:
+            # Called once a streamed body has been sent: the deadline starts from there.
+            deadline.restart(clock.monotonic())
             return deadline.remaining(clock.monotonic())
 
         async def send(

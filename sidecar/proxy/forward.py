@@ -7,6 +7,7 @@ cannot remove them by naming them in ``Connection``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from sidecar.engine.head import EDGE_MEMBER, TRACESTATE_KEY
@@ -41,8 +42,12 @@ OWN_RESPONSE = frozenset(
         b"x-retry-proxy-error",
         b"x-retry-dlq",
         b"x-retry-dlq-id",
+        b"x-retry-hedges",
     }
 )
+# Never removed because ``Connection`` names them: without Host an HTTP/1.1 request is
+# invalid (RFC 9112 section 3.2), and Content-Length frames the relayed body.
+PROTECTED = frozenset({b"host", b"content-length"})
 
 
 def connection_named(headers: RawHeaders) -> frozenset[bytes]:
@@ -51,7 +56,7 @@ def connection_named(headers: RawHeaders) -> frozenset[bytes]:
         if k.lower() == b"connection":
             for token in v.split(b","):
                 t = token.strip().lower()
-                if t:
+                if t and t not in PROTECTED:
                     names.add(t)
     return frozenset(names)
 
@@ -66,9 +71,13 @@ def request_headers(
     trusted: bool,
     scheme: bytes = b"http",
     default_host: bytes | None = None,
+    authority: bytes | None = None,
 ) -> tuple[list[tuple[bytes, bytes]], bytes | None, bytes | None]:
     """Headers to send upstream (minus per-attempt ones), plus the trusted edge marker and
     propagated timeout (None when absent or the peer is not trusted).
+
+    ``authority`` is the host of an absolute-form request target: it replaces any received
+    Host (RFC 9112 section 3.2.2).
 
     X-Forwarded-For keeps what the client sent and appends the real peer; X-Forwarded-Proto and
     X-Forwarded-Host are set by the sidecar (kept from a trusted peer).
@@ -107,8 +116,14 @@ def request_headers(
             if trusted:
                 fwd_host = v
             continue
-        if lk == b"host" and host is None:
+        if lk == b"host":
+            if host is not None:
+                continue  # only one Host goes upstream (the server refuses two anyway)
+            if authority is not None:
+                v = authority  # in place, so the field keeps its position
             host = v
+            out.append((k, v))
+            continue
         if lk in REFRAMED or _is_hop(lk, named):
             continue
         out.append((k, v))
@@ -124,6 +139,9 @@ def request_headers(
     xff.append(peer.encode("ascii", "replace"))
     out.append((b"X-Forwarded-For", b", ".join(xff)))
     out.append((b"X-Forwarded-Proto", proto or scheme))
+    if authority is not None and host is None:
+        host = authority
+        out.append((b"Host", authority))
     if fwd_host or host:
         out.append((b"X-Forwarded-Host", fwd_host or host or b""))
     if host is None and default_host is not None:
@@ -142,13 +160,35 @@ def _split_tracestate(values: list[bytes]) -> list[bytes]:
     return out
 
 
-def response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
-    """Upstream response headers to copy to the client (as aiohttp wants them: str)."""
+def response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """Upstream response headers to copy to the client, as the bytes that came (obs-text
+    included: nginx and Envoy copy bytes, they do not re-encode)."""
     named = connection_named(raw)
     out = []
     for k, v in raw:
         lk = k.lower()
         if _is_hop(lk, named) or lk in OWN_RESPONSE:
             continue
-        out.append((k.decode("latin-1"), v.decode("latin-1")))
+        out.append((k, v))
     return out
+
+
+# RFC 3986 section 3.2.2: uri-host (reg-name of unreserved, sub-delims and pct-encoded, or an
+# IP-literal) and an optional port.
+_HOST = re.compile(
+    rb"(?:[A-Za-z0-9\-._~!$&'()*+,;=%]*|\[[0-9A-Fa-f:.vV\-._~!$&'()*+,;=]*\])(?::[0-9]*)?"
+)
+_HOST_CACHE: dict[bytes, bool] = {}
+
+
+def valid_host(value: bytes) -> bool:
+    """A Host field value RFC 9112 section 3.2 accepts: uri-host [ ":" port ]. Values such as
+    ``good evil`` or ``evil/x?y`` are refused with 400 (as nginx does), never forwarded.
+    Cached: a sidecar sees the same few Host values over and over."""
+    hit = _HOST_CACHE.get(value)
+    if hit is None:
+        hit = _HOST.fullmatch(value) is not None
+        if len(_HOST_CACHE) >= 1024:
+            _HOST_CACHE.clear()
+        _HOST_CACHE[value] = hit
+    return hit

@@ -14,7 +14,7 @@ import math
 from typing import TYPE_CHECKING
 
 from aiohttp import ClientPayloadError, web
-from multidict import CIMultiDict
+from aiohttp.http import HttpVersion11
 
 from sidecar.config.model import Config, IpNetwork, Route
 from sidecar.core import Fate, UpstreamError
@@ -24,8 +24,16 @@ from sidecar.engine.loop import SequenceResult
 from sidecar.engine.sequence import Exchange, Sequence
 from sidecar.proxy import forward
 from sidecar.proxy.deps import ProxyDeps
-from sidecar.proxy.respond import ProxyFullResponse, ProxyResponse, client_error, proxy_error
-from sidecar.proxy.routing import find_route
+from sidecar.proxy.respond import (
+    MESSAGES,
+    ProxyResponse,
+    SidecarResponse,
+    client_error,
+    interim_head,
+    proxy_error,
+    proxy_status,
+)
+from sidecar.proxy.routing import Refused, find_route, origin_form, request_target
 from sidecar.proxy.server import GuardedRequestHandler
 from sidecar.retry.deadline import Deadline, parse_timeout_ms
 from sidecar.telemetry.events import SequenceEnded
@@ -37,6 +45,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sidecar.proxy")
 
+# The fate label (metrics, logs) of a response whose upstream broke after its head went out:
+# the client saw x-retry-fate: success in the head, but it is not counted as one.
+BODY_BROKEN = "body-broken"
 READ_CHUNK = 64 * 1024
 FULL_RESPONSE_MAX = 64 * 1024  # complete bodies up to this go out in one write
 
@@ -151,6 +162,7 @@ class ProxyHandler:
     def __init__(self, deps: ProxyDeps) -> None:
         self.deps = deps
         self._internal_errors = RateLimit(per_interval=5, interval=60.0)
+        self._upstream_errors = RateLimit(per_interval=10, interval=60.0)
 
     async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
         try:
@@ -184,7 +196,10 @@ class ProxyHandler:
             return client_error(
                 431, f"request head of {head_bytes} bytes is over {config.limits.max_header_bytes}"
             )
-        path = target.split("?", 1)[0]
+        where = request_target(method, target, request.headers.get("Host"))
+        if isinstance(where, Refused):
+            return client_error(where.status, where.message)
+        target, path = where.origin, where.path
         route = find_route(config.routes, method, path, request.headers.get)
         if route is None:
             return client_error(404, f"no route matches {method} {path}")
@@ -203,7 +218,11 @@ class ProxyHandler:
         peer = peer_of(request)
         trusted = is_trusted(peer, config.trusted_peers)
         shared, edge, timeout_ms = forward.request_headers(
-            list(raw_headers), peer, trusted, default_host=route.upstream.authority.encode()
+            list(raw_headers),
+            peer,
+            trusted,
+            default_host=route.upstream.authority.encode(),
+            authority=where.authority.encode("latin-1") if where.authority else None,
         )
         tracing = deps.tracing
         span: Span | None = None
@@ -265,7 +284,7 @@ class ProxyHandler:
     ) -> web.StreamResponse:
         deps = self.deps
         method = request.method
-        target = request.raw_path
+        target = origin_form(request.raw_path)
         # Body: buffered up to max_body_bytes so it can be resent; streamed once beyond.
         body: Body = None
         chunked = False
@@ -389,18 +408,18 @@ class ProxyHandler:
         route: Route,
         start: float,
         resp: web.StreamResponse,
-        fate: Fate,
+        fate: Fate | str,
         attempts: int,
         proxy_error_code: str | None = None,
         span: Span | None = None,
     ) -> web.StreamResponse:
         if span is not None:
-            self.deps.tracing.end_server(span, resp.status, fate.value, attempts)
+            self.deps.tracing.end_server(span, resp.status, str(fate), attempts)
         self.deps.events.sequence_ended(
             SequenceEnded(
                 route.name,
                 request.method,
-                fate.value,
+                str(fate),
                 attempts,
                 self.deps.clock.monotonic() - start,
                 resp.status,
@@ -425,9 +444,11 @@ class ProxyHandler:
             err = result.error
             assert err is not None
             status, code = err.status, err.code
+            error_type = err.error_type if isinstance(err, UpstreamError) else err.proxy_status
             if fate is Fate.DEADLINE:
-                status, code = 504, "deadline"
-            resp = proxy_error(status, code, str(err), fate, result.attempts)
+                status, code, error_type = 504, "deadline", "http_response_timeout"
+            message = MESSAGES.get(code, "the sidecar could not complete the request")
+            resp = proxy_error(status, code, message, fate, result.attempts, error_type)
             _dlq_headers(resp, captured)
             return self._finish(request, route, start, resp, fate, result.attempts, code, span)
         return await self._stream(request, route, start, result, up, span, captured, seq)
@@ -443,19 +464,32 @@ class ProxyHandler:
         captured: Captured | None,
         seq: Sequence,
     ) -> web.StreamResponse:
-        resp: web.StreamResponse
-        if up.complete and up.buffered_bytes <= FULL_RESPONSE_MAX:
+        if up.extra_data:
+            self._upstream_warning(route, "upstream sent more data after a complete response")
+        if up.interim and request.version >= HttpVersion11:
+            # RFC 9110 section 15.2: a proxy forwards 1xx responses (never to HTTP/1.0).
+            # They go out in their order, just before the final response.
+            for status, headers in up.interim:
+                await request.writer.write(interim_head(status, forward.response_headers(headers)))
+        whole = up.complete and up.buffered_bytes <= FULL_RESPONSE_MAX
+        resp = ProxyResponse(
+            up.status,
+            forward.response_headers(up.headers),
+            _headers(result, captured),
+            up.content_length,
+            flush_head=not whole,
+        )
+        if whole:
             # The whole body is already here (the common small response): one write.
             body = up.take_body() if up.has_body else b""
             up.release()
-            resp = ProxyFullResponse(
-                status=up.status, body=body or None, headers=_headers(up, result, captured)
-            )
+            await resp.prepare(request)
+            await resp.write_eof(body)
             return self._finish(
                 request, route, start, resp, result.fate, result.attempts, None, span
             )
-        resp = ProxyResponse(status=up.status, headers=_headers(up, result, captured))
-        idle = route.read_timeout
+        idle = route.stream_idle_timeout
+        broken: UpstreamError | None = None
         try:
             await resp.prepare(request)
             if up.has_body:
@@ -470,31 +504,44 @@ class ProxyHandler:
             # The upstream broke after the head went out: the client must see a broken
             # response (connection cut, no terminating chunk), never a truncated whole one.
             up.discard()
-            seq.body_failed()
-            log.debug("upstream body broke on route %s: %s", route.name, exc)
+            seq.body_failed()  # the breaker hears of it: one failed sequence
+            broken = exc
             _cut(request, resp)
         except (ConnectionError, OSError):
             up.discard()  # the client went away
         except BaseException:
             up.discard()
             raise
+        if broken is not None:
+            # Not a success: counted under its own fate, logged (rate-limited) as nginx does.
+            self._upstream_warning(
+                route, f"upstream response broke mid-body ({broken.code}): {broken}"
+            )
+            return self._finish(
+                request, route, start, resp, BODY_BROKEN, result.attempts, broken.code, span
+            )
         return self._finish(request, route, start, resp, result.fate, result.attempts, None, span)
 
+    def _upstream_warning(self, route: Route, message: str) -> None:
+        if self._upstream_errors.allow():
+            suppressed = self._upstream_errors.suppressed
+            more = f" ({suppressed} similar suppressed)" if suppressed else ""
+            log.warning("route %s: %s%s", route.name, message, more)
 
-def _headers(
-    up: UpstreamResponse, result: SequenceResult, captured: Captured | None
-) -> CIMultiDict[str]:
-    """The client's response headers, built in one go (one C call, not one per header)."""
-    pairs = forward.response_headers(up.headers)
-    pairs.append(("x-retry-attempts", str(result.attempts)))
-    pairs.append(("x-retry-fate", result.fate.value))
+
+def _headers(result: SequenceResult, captured: Captured | None) -> list[tuple[bytes, bytes]]:
+    """The sidecar's own headers on a relayed response."""
+    own = [
+        (b"x-retry-attempts", b"%d" % result.attempts),
+        (b"x-retry-fate", result.fate.value.encode()),
+    ]
     if result.hedges:
-        pairs.append(("x-retry-hedges", str(result.hedges)))
+        own.append((b"x-retry-hedges", b"%d" % result.hedges))
     if captured is not None:
-        pairs.append(("x-retry-dlq", captured.header))
+        own.append((b"x-retry-dlq", captured.header.encode()))
         if captured.record_id is not None:
-            pairs.append(("x-retry-dlq-id", captured.record_id))
-    return CIMultiDict(pairs)
+            own.append((b"x-retry-dlq-id", captured.record_id.encode()))
+    return own
 
 
 def _dlq_headers(resp: web.StreamResponse, captured: Captured | None) -> None:
@@ -505,12 +552,14 @@ def _dlq_headers(resp: web.StreamResponse, captured: Captured | None) -> None:
 
 
 def accepted(record_id: str, fate: Fate, attempts: int) -> web.Response:
-    """``respond: accepted``: 202 only once the record is durable on disk."""
-    return web.Response(
+    """``respond: accepted``: 202 only once the record is durable on disk. Made by the sidecar
+    itself, so it names itself in Proxy-Status (no error) and carries no Server banner."""
+    return SidecarResponse(
         status=202,
         body=json.dumps({"dlq_id": record_id}).encode(),
         headers={
             "Content-Type": "application/json",
+            "Proxy-Status": proxy_status(),
             "x-retry-attempts": str(attempts),
             "x-retry-fate": fate.value,
             "x-retry-dlq": "stored",

@@ -1,56 +1,167 @@
-"""Building client responses: proxied upstream responses and the sidecar's own errors."""
+"""Building client responses: relayed upstream responses and the sidecar's own answers.
+
+A relayed response's head is written from the upstream's header bytes, exactly as they came
+(aiohttp would re-encode str headers as UTF-8, turning an obs-text ``filename="ü.txt"`` into
+mojibake; nginx and Envoy copy the bytes). aiohttp still decides the framing toward the client
+(Content-Length kept, chunked otherwise on HTTP/1.1, close-delimited on HTTP/1.0) and whether
+the connection stays open; only ``Transfer-Encoding`` and ``Connection`` are taken from it.
+
+The sidecar's own answers carry ``x-retry-proxy-error`` and the standard ``Proxy-Status``
+(RFC 9209), a ``Date``, and no ``Server`` version banner.
+"""
 
 from __future__ import annotations
 
 import json
+from http import HTTPStatus
 
 from aiohttp import web
+from aiohttp.http import HttpVersion10
 
 from sidecar.core import Fate
 
-# aiohttp's StreamResponse fills in Content-Type, Date and Server when absent. A proxy must not
-# invent headers the upstream did not send, so those defaults are removed again unless set here.
-_INJECTED = ("Content-Type", "Date", "Server")
+RawHeaders = list[tuple[bytes, bytes]]
+
+PROXY_NAME = "retry-sidecar"  # the Proxy-Status member naming this intermediary
+
+# x-retry-proxy-error code -> RFC 9209 section 2.3 error type.
+PROXY_STATUS = {
+    "connect-failure": "destination_unavailable",
+    "upstream-reset": "connection_terminated",
+    "per-try-timeout": "http_response_timeout",
+    "deadline": "http_response_timeout",
+    "stream-idle-timeout": "http_response_timeout",
+    "bad-response": "http_protocol_error",
+    "breaker-open": "destination_unavailable",
+    "overloaded": "connection_limit_reached",
+    "pool-exhausted": "connection_limit_reached",
+    "concurrency-limit": "connection_limit_reached",
+    "internal": "proxy_internal_error",
+}
+# Requests refused before any upstream was chosen, by status.
+CLIENT_STATUS = {404: "destination_not_found", 413: "http_request_denied"}
+
+# The text of the sidecar's answers: fixed per code, so no upstream address or internal detail
+# reaches a client (the detail goes to the logs and the DLQ record).
+MESSAGES = {
+    "connect-failure": "the upstream could not be reached",
+    "upstream-reset": "the upstream closed the connection without a complete response",
+    "per-try-timeout": "the upstream did not answer within the per-try timeout",
+    "deadline": "the request deadline passed before the upstream answered",
+    "bad-response": "the upstream sent a response that cannot be relayed",
+    "overloaded": "the route has no room for the request",
+    "pool-exhausted": "every connection to the upstream stayed busy",
+    "concurrency-limit": "the upstream is queueing: the route's concurrency limit is reached",
+    "internal": "internal error in the sidecar",
+}
 
 
-class _ExactHeaders(web.StreamResponse):
-    """Sends exactly the headers it was given: aiohttp's defaults are removed again."""
+def proxy_status(error_type: str | None = None) -> str:
+    return PROXY_NAME if error_type is None else f"{PROXY_NAME}; error={error_type}"
+
+
+class ProxyResponse(web.StreamResponse):
+    """A relayed upstream response whose head is written from raw bytes.
+
+    ``raw`` holds the upstream's headers to copy (hop-by-hop already removed), ``own`` the
+    sidecar's additions. Headers are sent with the first body bytes (one write for a whole
+    small response) unless ``flush_head`` asks for them at once (a stream that may pause).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        raw: RawHeaders,
+        own: RawHeaders,
+        content_length: int | None,
+        flush_head: bool = False,
+    ) -> None:
+        super().__init__(status=status)
+        self._raw = raw
+        self._own = own
+        self._send_headers_immediately = flush_head
+        if content_length is not None:
+            # For aiohttp's framing only; the bytes sent are the upstream's own field.
+            self._headers["Content-Length"] = str(content_length)
 
     async def _prepare_headers(self) -> None:
-        given = {name for name in _INJECTED if name in self.headers}
         await super()._prepare_headers()
-        for name in _INJECTED:
-            if name not in given and name in self.headers:
-                del self.headers[name]
+        req = self._req
+        writer = self._payload_writer
+        assert req is not None and writer is not None
+        if req.version == HttpVersion10 and writer.length is None and not self._must_be_empty_body:
+            # aiohttp drops the keep-alive header here but keeps the connection open, so an
+            # HTTP/1.0 keep-alive client waits for a close that never comes: close-delimit.
+            self._keep_alive = False
+
+    async def _write_headers(self) -> None:
+        req = self._req
+        writer = self._payload_writer
+        assert req is not None and writer is not None
+        version = req.version
+        headers = self._headers
+        framing = b"".join(
+            b"%s: %s\r\n" % (name.encode(), value.encode("latin-1"))
+            for name in ("Transfer-Encoding", "Connection")
+            if (value := headers.get(name)) is not None
+        )
+        head = b"".join(
+            [
+                b"HTTP/%d.%d %d %s\r\n"
+                % (version.major, version.minor, self._status, self._reason.encode("latin-1")),
+                *[k + b": " + v + b"\r\n" for k, v in self._raw],
+                framing,
+                *[k + b": " + v + b"\r\n" for k, v in self._own],
+                b"\r\n",
+            ]
+        )
+        # aiohttp's writer sends this buffer with the first body bytes (or at once below).
+        writer._headers_buf = head  # type: ignore[attr-defined]
+        writer._headers_written = False  # type: ignore[attr-defined]
+        if self._send_headers_immediately:
+            writer.send_headers()
 
 
-class ProxyResponse(_ExactHeaders):
-    """A streamed upstream response."""
+def interim_head(status: int, headers: RawHeaders) -> bytes:
+    """A 1xx response, its headers relayed byte for byte; the reason phrase is the standard
+    one (not copied, as for final responses)."""
+    try:
+        reason = HTTPStatus(status).phrase.encode()
+    except ValueError:
+        reason = b""
+    parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
+    parts.extend(k + b": " + v + b"\r\n" for k, v in headers)
+    parts.append(b"\r\n")
+    return b"".join(parts)
 
 
-class ProxyFullResponse(_ExactHeaders, web.Response):
-    """An upstream response whose whole body is already here: aiohttp then sends the head and
-    the body in one write instead of three (a large share of the per-request cost)."""
+class SidecarResponse(web.Response):
+    """An answer made by the sidecar itself: aiohttp's ``Server`` banner is removed."""
 
-    async def write_eof(self, data: bytes = b"") -> None:
-        await super().write_eof(data)
-        # aiohttp's connection loop keeps the last response referenced while it waits for the
-        # next request on a kept-alive connection: drop the body once it is sent, or every idle
-        # client connection would hold its last response body.
-        self._body = None
+    async def _prepare_headers(self) -> None:
+        await super()._prepare_headers()
+        self._headers.popall("Server", None)
 
 
 def proxy_error(
-    status: int, code: str, message: str, fate: Fate | str, attempts: int
+    status: int,
+    code: str,
+    message: str,
+    fate: Fate | str,
+    attempts: int,
+    error_type: str | None = None,
 ) -> web.Response:
-    """A response made by the sidecar itself: a JSON body, ``x-retry-proxy-error``, the fate."""
+    """A response made by the sidecar itself, about the upstream or the route's policy."""
     fate_s = fate.value if isinstance(fate, Fate) else fate
     body = json.dumps({"error": message, "fate": fate_s, "attempts": attempts}).encode()
-    return web.Response(
+    return SidecarResponse(
         status=status,
         body=body,
         headers={
             "Content-Type": "application/json",
+            "Proxy-Status": proxy_status(
+                error_type or PROXY_STATUS.get(code, "proxy_internal_error")
+            ),
             "x-retry-proxy-error": code,
             "x-retry-attempts": str(attempts),
             "x-retry-fate": fate_s,
@@ -60,8 +171,12 @@ def proxy_error(
 
 def client_error(status: int, message: str) -> web.Response:
     """A 4xx for a request the sidecar refuses before routing it anywhere."""
-    return web.Response(
+    return SidecarResponse(
         status=status,
         body=json.dumps({"error": message}).encode(),
-        headers={"Content-Type": "application/json", "x-retry-proxy-error": "bad-request"},
+        headers={
+            "Content-Type": "application/json",
+            "Proxy-Status": proxy_status(CLIENT_STATUS.get(status, "http_request_error")),
+            "x-retry-proxy-error": "bad-request",
+        },
     )

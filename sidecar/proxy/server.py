@@ -27,6 +27,7 @@ from aiohttp.http import HttpVersion10, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler, _ErrInfo
 
+from sidecar.proxy.respond import client_error, proxy_status
 from sidecar.telemetry.logs import RateLimit
 
 log = logging.getLogger("sidecar.proxy")
@@ -42,8 +43,18 @@ def _error_bytes(status: int, reason: str, message: str) -> bytes:
     return (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n"
+        f"Proxy-Status: {proxy_status('http_request_error')}\r\n"
         "x-retry-proxy-error: bad-request\r\n\r\n"
     ).encode() + body
+
+
+def _close_requested(head: bytes) -> bool:
+    """Whether a request head (lower-cased) asks for the connection to close after it: a
+    ``close`` option, or HTTP/1.0 without keep-alive. A cheap pre-check; the parser decides."""
+    first, _, _ = head.partition(b"\r\n")
+    if first.endswith(b"http/1.0"):
+        return b"keep-alive" not in head
+    return b"close" in head
 
 
 class GuardedRequestHandler(RequestHandler):
@@ -56,10 +67,32 @@ class GuardedRequestHandler(RequestHandler):
         self._send_timer: asyncio.TimerHandle | None = None
         self._last_payload: StreamReader | None = None  # the body of the last request head
         self.in_request = False
+        self._closing = False  # a request asked to close: later bytes are ignored
 
     # -- the head deadline ------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return  # RFC 9112 section 9.6: after a "close" request, further requests are not read
+        end = data.find(b"\r\n\r\n")
+        if 0 <= end < len(data) - 4 and _close_requested(data[:end].lower()):
+            # A request asking to close, with bytes after its head in the same read (its body,
+            # or pipelined requests): aiohttp's parser would refuse the whole read with 400.
+            # Feed the head and the body it announces, and ignore the rest.
+            before = len(self._messages)
+            self._feed(data[: end + 4])
+            msg = self._messages[-1][0] if len(self._messages) > before else None
+            if isinstance(msg, RawRequestMessage) and msg.should_close and not msg.chunked:
+                value = msg.headers.get("Content-Length")
+                length = int(value) if value is not None and value.isdigit() else 0
+                if length:
+                    self._feed(data[end + 4 : end + 4 + length])
+                self._closing = True
+                return
+            data = data[end + 4 :]
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
         # Only bytes that start a new head arm the timer: the body of a request already
         # answered early (413, breaker-open...) still arriving on a kept-alive connection must
         # not, or an idle connection gets an unsolicited 408 that the client's next request
@@ -161,13 +194,10 @@ class GuardedRequestHandler(RequestHandler):
         self._guard.warn(f"refused a malformed request ({status}): {str(exc)[:200]}")
 
         async def handler(request: web.BaseRequest) -> web.StreamResponse:
-            resp = web.json_response(
-                {
-                    "error": "request refused: "
-                    + ("request line or headers too large" if too_large else "malformed request")
-                },
-                status=status,
-                headers={"x-retry-proxy-error": "bad-request"},
+            resp = client_error(
+                status,
+                "request refused: "
+                + ("request line or headers too large" if too_large else "malformed request"),
             )
             resp.force_close()
             return resp

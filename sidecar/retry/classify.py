@@ -53,6 +53,8 @@ def is_retryable(policy: RetryPolicy, outcome: Outcome) -> bool:
         return on.connect_failure
     if kind is OutcomeKind.RESET:
         return on.reset
+    if kind is OutcomeKind.BAD_RESPONSE:
+        return False
     return on.per_try_timeout
 
 

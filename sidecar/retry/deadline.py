@@ -11,6 +11,7 @@ MAX_PROPAGATED_MS = 86_400_000
 @dataclass(slots=True)  # one per request: not frozen, whose __init__ costs three times as much
 class Deadline:
     at: float  # monotonic seconds
+    budget: float = 0.0  # the whole allowance, for a restart
 
     @classmethod
     def start(cls, now: float, route_timeout: float, propagated_ms: int | None = None) -> Deadline:
@@ -18,7 +19,14 @@ class Deadline:
         budget = route_timeout
         if propagated_ms is not None:
             budget = min(budget, propagated_ms / 1000.0)
-        return cls(now + max(0.0, budget))
+        budget = max(0.0, budget)
+        return cls(now + budget, budget)
+
+    def restart(self, now: float) -> None:
+        """Start the whole allowance again from ``now``: for a streamed upload, once its body
+        has been received (as Envoy starts its route timeout at the end of the request), so a
+        slow upload does not spend the upstream's time."""
+        self.at = now + self.budget
 
     def remaining(self, now: float) -> float:
         return max(0.0, self.at - now)

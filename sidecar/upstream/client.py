@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator, Callable
 from sidecar.core import ConnectFailure, NoTimeLeft, UpstreamError, UpstreamReset
 from sidecar.upstream.connection import Connection
 from sidecar.upstream.pool import Pool, PoolSettings, PoolStats
+from sidecar.upstream.states import Req
+from sidecar.upstream.upload import send_stream
 
 Headers = list[tuple[bytes, bytes]]
 Body = bytes | AsyncIterator[bytes] | None
@@ -20,7 +22,7 @@ class UpstreamResponse:
     called; both are idempotent.
     """
 
-    __slots__ = ("_conn", "_done", "_pool", "headers", "on_done", "status")
+    __slots__ = ("_conn", "_done", "_pool", "headers", "interim", "on_done", "status")
 
     def __init__(self, pool: Pool, conn: Connection) -> None:
         self._pool = pool
@@ -29,6 +31,8 @@ class UpstreamResponse:
         self.on_done: Callable[[], None] | None = None  # e.g. give back a bulkhead slot
         self.status = conn.status
         self.headers = conn.headers
+        # 1xx responses (other than 100) that came before this one: (status, headers).
+        self.interim = conn.interim
 
     def header(self, name: bytes) -> bytes | None:
         lname = name.lower()
@@ -39,10 +43,8 @@ class UpstreamResponse:
 
     @property
     def content_length(self) -> int | None:
-        v = self.header(b"content-length")
-        if v is None or not v.strip().isdigit():
-            return None
-        return int(v)
+        """The body length the upstream announced (None when chunked or close-delimited)."""
+        return self._conn.content_length
 
     @property
     def has_body(self) -> bool:
@@ -52,7 +54,17 @@ class UpstreamResponse:
     @property
     def complete(self) -> bool:
         """The whole response, body included, has arrived."""
-        return self._conn.complete and self._conn.error is None
+        return self._conn.complete
+
+    @property
+    def extra_data(self) -> bool:
+        """The upstream sent bytes after this response (dropped; the connection is closed)."""
+        return self._conn.extra_data
+
+    @property
+    def request_abandoned(self) -> bool:
+        """The upstream answered before the request body was all sent (an early answer)."""
+        return self._conn.state.req is Req.ABANDONED
 
     @property
     def buffered_bytes(self) -> int:
@@ -117,9 +129,11 @@ class UpstreamClient:
 
         ``timeout`` bounds connecting plus waiting for the response head; for a streamed body
         the head wait starts once the body is sent (an upload may take longer than a per-try
-        timeout), bounded by ``time_left()`` (the sequence deadline), and the upstream must
-        keep taking body bytes within ``timeout``. The request is sent once: a failure is
-        raised as an UpstreamError for the retry engine to judge, never resent here.
+        timeout), bounded by ``time_left()``, called at that moment (the sequence deadline,
+        which starts again there), and the upstream must keep taking body bytes within
+        ``timeout``. An upstream that answers before the body is all sent gets no more of it:
+        its answer is returned and the connection is not reused. The request is sent once: a
+        failure is raised as an UpstreamError for the retry engine to judge, never resent here.
         """
         pool = self.pool(host, port)
         loop = asyncio.get_running_loop()
@@ -133,10 +147,14 @@ class UpstreamClient:
             conn.begin(head_only)
             if body is None or isinstance(body, bytes):
                 conn.write(head + body if body else head)
+                conn.request_sent()
                 head_wait = timeout - (loop.time() - started)
             else:
                 conn.write(head)
-                await _send_stream(conn, body, chunked, timeout)
+                if await send_stream(conn, body, chunked, timeout):
+                    conn.request_sent()
+                else:
+                    conn.abandon_request()  # answered early: relay that answer, send no more
                 head_wait = timeout if time_left is None else min(timeout, time_left())
             await conn.wait_head(head_wait)
         except UpstreamError:
@@ -156,23 +174,6 @@ class UpstreamClient:
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
-
-
-async def _send_stream(
-    conn: Connection, body: AsyncIterator[bytes], chunked: bool, idle: float
-) -> None:
-    async for chunk in body:
-        if not chunk:
-            continue
-        if conn.closed:
-            raise conn.error or UpstreamReset("upstream closed while the body was sent")
-        if chunked:
-            conn.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-        else:
-            conn.write(chunk)
-        await conn.drain(idle)
-    if chunked:
-        conn.write(b"0\r\n\r\n")
 
 
 __all__ = ["ConnectFailure", "UpstreamClient", "UpstreamResponse"]

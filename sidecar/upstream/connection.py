@@ -1,7 +1,18 @@
-"""One upstream HTTP/1.1 connection: an asyncio Protocol with httptools' C parser.
+"""One upstream HTTP/1.1 connection: an asyncio Protocol with httptools' C parser, driven by
+the explicit state machine of ``states`` (request side, response side, link).
 
-A new parser is made for every response, so no state leaks from one exchange to the next, and a
-HEAD response (whose Content-Length describes a body that never comes) simply ends at its head.
+A new parser is made for every exchange, so no parser state leaks from one to the next. What
+the upstream sends is checked as nginx and RFC 9110/9112 want it:
+
+- bytes after a complete response (a second status line in the same read, or anything else)
+  are dropped and the connection is closed, never pooled ("upstream sent more data");
+- a status outside 100-599, a transfer coding other than ``chunked``, or a head over
+  MAX_RESPONSE_HEAD bytes / MAX_RESPONSE_HEADERS fields is a ``BadResponse`` (not retried);
+- 1xx interim responses other than 100 are kept (in order) for the handler to relay;
+- trailer fields of a chunked body are read and dropped, never merged into the head;
+- a final response that arrives while the request body is still being sent (an early answer)
+  is noticed at once: ``answered`` turns true and a blocked ``drain`` returns.
+
 Body bytes are queued with flow control: reading pauses above HIGH_WATER buffered bytes.
 """
 
@@ -13,12 +24,20 @@ from typing import Any
 
 import httptools
 
-from sidecar.core import AttemptTimeout, UpstreamError, UpstreamReset
+from sidecar.core import AttemptTimeout, BadResponse, BodyTimeout, UpstreamError, UpstreamReset
+from sidecar.upstream.states import ConnState, Link, Req, Resp
 
 HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024
 MAX_RESPONSE_HEAD = 64 * 1024
 MAX_RESPONSE_HEADERS = 200
+MAX_INTERIM = 8  # 1xx responses before the final one; more is a misbehaving upstream
+
+Headers = list[tuple[bytes, bytes]]
+
+
+class _ExtraData(Exception):
+    """Raised inside a parser callback to stop parsing bytes after a complete response."""
 
 
 class Connection(asyncio.Protocol):
@@ -31,19 +50,20 @@ class Connection(asyncio.Protocol):
         "_parser",
         "_paused",
         "_timer",
+        "_trailer_bytes",
         "_waiter",
         "_write_paused",
         "body",
-        "closed",
-        "complete",
+        "content_length",
         "eof_delimited",
         "error",
+        "extra_data",
         "head_only",
         "headers",
-        "headers_done",
         "idle_handle",
-        "keep_alive",
+        "interim",
         "key",
+        "state",
         "status",
         "transport",
     )
@@ -52,6 +72,7 @@ class Connection(asyncio.Protocol):
         self._loop = loop
         self.key = key
         self.transport: asyncio.Transport | None = None
+        self.state = ConnState()
         self._parser: Any = None
         self._waiter: asyncio.Future[None] | None = None
         self._drain_waiter: asyncio.Future[None] | None = None
@@ -59,22 +80,42 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._timer: asyncio.TimerHandle | None = None
         self.idle_handle: asyncio.TimerHandle | None = None
-        self.closed = False
         self._reset_exchange()
 
     def _reset_exchange(self) -> None:
         self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.headers_done = False
-        self.complete = False
-        self.keep_alive = False
+        self.headers: Headers = []
+        self.interim: list[tuple[int, Headers]] = []
         self.head_only = False
+        self.content_length: int | None = None  # announced by the response (not chunked)
         self.eof_delimited = False
+        self.extra_data = False
         self.error: UpstreamError | None = None
         self.body: deque[bytes] = deque()
         self._body_buffered = 0
         self._head_bytes = 0
+        self._trailer_bytes = 0
         self._informational = False
+
+    # -- what the state says -----------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self.state.link is Link.CLOSED
+
+    @property
+    def headers_done(self) -> bool:
+        return self.state.resp in (Resp.BODY, Resp.DONE)
+
+    def has_answer(self) -> bool:
+        """The final response head has arrived (possibly while the request is still sent).
+        A method, not a property: it changes while a caller awaits."""
+        return self.headers_done
+
+    @property
+    def complete(self) -> bool:
+        """The whole response has arrived and nothing broke it."""
+        return self.state.resp is Resp.DONE and self.error is None
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -83,87 +124,143 @@ class Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        if self._parser is None or self.complete:
-            # Bytes nobody asked for (an idle connection, or after a complete response):
-            # the connection is no longer in a known state.
+        resp = self.state.resp
+        if resp is Resp.IDLE:
+            # Bytes nobody asked for (an idle pooled connection): its state is unknown.
             self._fail(UpstreamReset("unsolicited bytes from upstream"))
             self.close()
+            return
+        if resp is Resp.DONE:
+            self._extra()
             return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._fail(UpstreamReset("upstream tried to upgrade the connection"))
+            self._fail(
+                BadResponse("upstream tried to upgrade the connection", "http_upgrade_failed")
+            )
             self.close()
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _ExtraData):
+                self._extra()
+            elif isinstance(cause, UpstreamError):
+                self._fail(cause)
+                self.close()
+            else:
+                self._fail(UpstreamReset(f"malformed response from upstream: {exc}"))
+                self.close()
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamReset(f"malformed response from upstream: {exc}"))
-            self.close()
+            if self.state.resp is Resp.DONE:
+                self._extra()  # garbage after a complete response
+            else:
+                self._fail(UpstreamReset(f"malformed response from upstream: {exc}"))
+                self.close()
 
     def eof_received(self) -> bool:
         return False  # close the transport; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
         self._cancel_timer()
         if self.idle_handle is not None:
             self.idle_handle.cancel()
             self.idle_handle = None
-        if self._parser is not None and not self.complete and self.error is None:
-            if self.headers_done and self.eof_delimited and exc is None:
-                self.complete = True
-            elif self.headers_done:
-                self.error = UpstreamReset("upstream closed the connection mid-body")
+        resp = self.state.resp
+        if resp is Resp.BODY and self.error is None:
+            if self.eof_delimited and exc is None:
+                self.state.response(Resp.DONE)  # the close is the end of this body
+                self.state.to_link(Link.MUST_CLOSE)
             else:
-                self.error = UpstreamReset("upstream closed the connection before a response")
+                self._fail(UpstreamReset("upstream closed the connection mid-body"))
+        elif resp is Resp.AWAITING_HEAD and self.error is None:
+            self._fail(UpstreamReset("upstream closed the connection before a response"))
+        self.state.to_link(Link.CLOSED)
         self._wake()
-        if self._drain_waiter is not None and not self._drain_waiter.done():
-            self._drain_waiter.set_exception(UpstreamReset("upstream closed while sending"))
+        self._wake_drain(UpstreamReset("upstream closed while sending"))
 
     def pause_writing(self) -> None:
         self._write_paused = True
 
     def resume_writing(self) -> None:
         self._write_paused = False
-        w = self._drain_waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        self._wake_drain(None)
 
     # -- httptools callbacks -----------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.state.resp is Resp.DONE:
+            raise _ExtraData  # a second response after a complete one
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.state.resp is Resp.BODY:
+            # A trailer field of a chunked body: read, bounded, dropped (never merged into the
+            # head that already went to the client; RFC 9110 section 6.5).
+            self._trailer_bytes += len(name) + len(value) + 4
+            if self._trailer_bytes > MAX_RESPONSE_HEAD:
+                raise UpstreamReset("response trailers too large")
+            return
         self._head_bytes += len(name) + len(value) + 4
         if self._head_bytes > MAX_RESPONSE_HEAD or len(self.headers) >= MAX_RESPONSE_HEADERS:
-            raise UpstreamReset("response head too large")
+            raise BadResponse(
+                f"response head over {MAX_RESPONSE_HEAD} bytes or {MAX_RESPONSE_HEADERS} fields",
+                "http_response_header_section_size",
+            )
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
+        if status == 101:
+            # Upgrade is hop-by-hop and never sent upstream: a switch is not ours to relay.
+            raise BadResponse("upstream switched protocols unasked", "http_upgrade_failed")
         if 100 <= status < 200:
-            # 1xx informational: dropped; the real response follows on the same connection.
+            # Interim: the final response follows on the same connection. 100 Continue is
+            # dropped (the sidecar answers Expect itself and never sends one upstream).
             self._informational = True
+            if status != 100:
+                if len(self.interim) >= MAX_INTERIM:
+                    raise BadResponse("too many 1xx responses", "http_protocol_error")
+                self.interim.append((status, self.headers))
             self.headers = []
             self._head_bytes = 0
             return
+        if status > 599 or status < 100:
+            # RFC 9110 section 15: values outside 100-599 are invalid; a client must treat
+            # them as a 5xx. Relaying "HTTP/1.1 0" would break clients.
+            raise BadResponse(f"invalid status code {status}", "http_protocol_error")
+        framed = chunked = False
+        length: int | None = None
+        for name, value in self.headers:
+            n = len(name)  # compare lengths first: lower-casing every name costs
+            if n == 17 and name.lower() == b"transfer-encoding":
+                codings = [c.strip().lower() for c in value.split(b",") if c.strip()]
+                if codings != [b"chunked"]:
+                    # nginx (1.23+) and Envoy refuse these too: relaying the body without its
+                    # coding would hand the client bytes it cannot decode.
+                    raise BadResponse(
+                        f"unsupported transfer coding {value[:40]!r}",
+                        "http_response_transfer_coding",
+                    )
+                framed = chunked = True
+            elif n == 14 and name.lower() == b"content-length":
+                framed = True
+                v = value.strip()
+                length = int(v) if v.isdigit() else None
+        self.content_length = None if chunked else length
         self.status = status
-        self.keep_alive = bool(self._parser.should_keep_alive())
-        self.headers_done = True
-        if not self.head_only and status not in (204, 304):
-            framed = False
-            for name, value in self.headers:
-                lname = name.lower()
-                if lname == b"content-length" or (
-                    lname == b"transfer-encoding" and b"chunked" in value.lower()
-                ):
-                    framed = True
-                    break
+        if not self._parser.should_keep_alive():
+            self.state.to_link(Link.MUST_CLOSE)
+        if self.head_only or status in (204, 304):
+            self.state.response(Resp.DONE)
+        else:
             self.eof_delimited = not framed
-        if self.head_only:
-            self.complete = True
+            self.state.response(Resp.BODY)
         self._cancel_timer()
         self._wake()
+        self._wake_drain(None)  # an early answer ends a blocked upload at once
 
     def on_body(self, data: bytes) -> None:
-        if self.complete:
-            return
+        if self.state.resp is Resp.DONE:
+            raise _ExtraData  # a body after a head-only response
         self.body.append(data)
         self._body_buffered += len(data)
         if not self._paused and self._body_buffered > HIGH_WATER and self.transport is not None:
@@ -175,7 +272,9 @@ class Connection(asyncio.Protocol):
         if self._informational:
             self._informational = False
             return
-        self.complete = True
+        if self.state.resp is Resp.BODY:
+            self.state.response(Resp.DONE)
+        self._cancel_timer()
         self._wake()
 
     # -- used by the client ------------------------------------------------------------------
@@ -185,24 +284,40 @@ class Connection(asyncio.Protocol):
         return self._body_buffered
 
     def usable(self) -> bool:
-        return not self.closed and self.transport is not None and not self.transport.is_closing()
+        return (
+            self.state.link is Link.OPEN
+            and self.transport is not None
+            and not self.transport.is_closing()
+        )
 
     def begin(self, head_only: bool) -> None:
         """Prepare for one request/response exchange."""
+        if self.state.req is not Req.IDLE:
+            self.state.next_exchange()  # raises unless the last exchange ended cleanly
         self._reset_exchange()
         self.head_only = head_only
         self._parser = httptools.HttpResponseParser(self)
+        self.state.begin()
 
     def write(self, data: bytes) -> None:
-        assert self.transport is not None
+        assert self.transport is not None and self.state.req is Req.SENDING
         self.transport.write(data)
 
+    def request_sent(self) -> None:
+        self.state.request(Req.SENT)
+
+    def abandon_request(self) -> None:
+        """Stop sending: the upstream answered early. The connection is never reused."""
+        if self.state.req is Req.SENDING:
+            self.state.request(Req.ABANDONED)
+        self.state.to_link(Link.MUST_CLOSE)
+
     async def drain(self, idle_timeout: float) -> None:
-        """Wait until the upstream takes more bytes; an upstream that takes none for
-        ``idle_timeout`` has stalled (AttemptTimeout)."""
-        if self.closed:
+        """Wait until the upstream takes more bytes (or answers early); an upstream that takes
+        none for ``idle_timeout`` has stalled (AttemptTimeout)."""
+        if self.closed or self.state.link is Link.BROKEN:
             raise self.error or UpstreamReset("upstream closed while sending")
-        if not self._write_paused:
+        if not self._write_paused or self.has_answer():
             return
         waiter = self._drain_waiter = self._loop.create_future()
         timer = self._loop.call_later(idle_timeout, _stall, waiter)
@@ -212,8 +327,16 @@ class Connection(asyncio.Protocol):
             timer.cancel()
             self._drain_waiter = None
 
+    async def wait_answer(self) -> None:
+        """Until the response head arrives or the exchange breaks; no timer (the caller
+        bounds it)."""
+        while not self.headers_done and self.error is None:
+            await self._wait()
+
     async def wait_head(self, timeout: float) -> None:
-        """Until the response head is parsed; raises AttemptTimeout or UpstreamReset."""
+        """Until the response head is parsed; raises AttemptTimeout or the exchange's error."""
+        if self.headers_done:
+            return
         if timeout <= 0:
             raise AttemptTimeout("no time left for the attempt")
         self._timer = self._loop.call_later(timeout, self._on_timeout)
@@ -226,7 +349,8 @@ class Connection(asyncio.Protocol):
             self._cancel_timer()
 
     async def read_chunk(self, idle_timeout: float) -> bytes:
-        """The next body bytes; b"" at the end. Raises UpstreamReset if the body broke."""
+        """The next body bytes; b"" at the end. Raises the exchange's error if the body broke,
+        BodyTimeout when the upstream sends nothing for ``idle_timeout``."""
         while True:
             if self.body:
                 data = self.body.popleft()
@@ -235,7 +359,7 @@ class Connection(asyncio.Protocol):
                     self._paused = False
                     self.transport.resume_reading()
                 return data
-            if self.complete:
+            if self.state.resp is Resp.DONE and self.error is None:
                 return b""
             if self.error is not None:
                 raise self.error
@@ -246,47 +370,83 @@ class Connection(asyncio.Protocol):
                 self._cancel_timer()
 
     def reusable(self) -> bool:
+        """Both sides ended cleanly, nothing is left unread or unsent (an upstream that
+        answered before taking the whole request would otherwise read our leftover bytes as
+        the start of the next request)."""
         return (
-            self.complete
-            and self.keep_alive
+            self.state.reusable
             and self.error is None
             and not self.body
             and self.usable()
+            and self.transport is not None
+            and self.transport.get_write_buffer_size() == 0
         )
 
     def close(self) -> None:
-        if self.transport is not None and not self.closed:
+        if self.transport is not None and self.state.link is not Link.CLOSED:
             self.transport.close()
-        self.closed = True
+        self._mark_closed()
 
     def abort(self) -> None:
         if self.transport is not None:
             self.transport.abort()
-        self.closed = True
+        self._mark_closed()
 
     # -- internals ---------------------------------------------------------------------------
 
+    def _mark_closed(self) -> None:
+        # connection_lost follows from the transport; the state is closed at once so that
+        # nothing reuses the connection meanwhile. An unfinished exchange is broken.
+        if self.state.resp in (Resp.AWAITING_HEAD, Resp.BODY) and self.error is None:
+            self._fail(UpstreamReset("the connection was closed mid-exchange"))
+        self.state.to_link(Link.CLOSED)
+
+    def _extra(self) -> None:
+        """Bytes after a complete response: drop them and close (nginx: "upstream sent more
+        data"); the response already received stays intact."""
+        self.extra_data = True
+        self.state.to_link(Link.MUST_CLOSE)
+        if self.transport is not None:
+            self.transport.close()
+        self._wake()
+
     async def _wait(self) -> None:
-        self._waiter = self._loop.create_future()
+        waiter = self._waiter = self._loop.create_future()
         try:
-            await self._waiter
+            await waiter
         finally:
-            self._waiter = None
+            # A cancelled earlier waiter (the upload's answer watch) unwinds late: it must not
+            # clear the waiter that replaced it.
+            if self._waiter is waiter:
+                self._waiter = None
 
     def _wake(self) -> None:
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
 
+    def _wake_drain(self, error: UpstreamError | None) -> None:
+        w = self._drain_waiter
+        if w is not None and not w.done():
+            if error is None:
+                w.set_result(None)
+            else:
+                w.set_exception(error)
+
     def _fail(self, error: UpstreamError) -> None:
-        if self.error is None and not self.complete:
+        if self.state.resp is Resp.DONE and self.error is None:
+            # The response is whole; whatever came after only means "do not reuse".
+            self.state.to_link(Link.MUST_CLOSE)
+        elif self.error is None:
             self.error = error
+            self.state.to_link(Link.BROKEN)
         self._wake()
+        self._wake_drain(self.error)
 
     def _on_timeout(self) -> None:
         self._timer = None
         if self.headers_done:
-            self._fail(UpstreamReset("upstream body stalled past the idle timeout"))
+            self._fail(BodyTimeout("the upstream sent no body bytes within the idle timeout"))
         else:
             self._fail(AttemptTimeout("no response head within the per-try timeout"))
         self.abort()

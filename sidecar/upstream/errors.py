@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from sidecar.core import (
     AttemptTimeout,
+    BadResponse,
+    BodyTimeout,
     ConnectFailure,
     LocalOverload,
     NoTimeLeft,
@@ -16,6 +18,8 @@ from sidecar.core import (
 
 __all__ = [
     "AttemptTimeout",
+    "BadResponse",
+    "BodyTimeout",
     "ConnectFailure",
     "LocalOverload",
     "NoTimeLeft",

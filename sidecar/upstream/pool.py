@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from sidecar.config.model import UpstreamPool
-from sidecar.core import ConnectFailure, NoTimeLeft, PoolExhausted
+from sidecar.core import ConnectFailure, NoTimeLeft, PoolExhausted, connect_error_type
 from sidecar.upstream.connection import Connection
 
 # The pool's settings are the config's ``upstream_pool`` section itself.
@@ -147,9 +147,13 @@ class Pool:
                     lambda: Connection(self._loop, (self.host, self.port)), self.host, self.port
                 )
         except TimeoutError:
-            raise ConnectFailure(f"connect to {self.host}:{self.port} timed out") from None
+            raise ConnectFailure(
+                f"connect to {self.host}:{self.port} timed out", "connection_timeout"
+            ) from None
         except (OSError, socket.gaierror) as exc:
-            raise ConnectFailure(f"connect to {self.host}:{self.port} failed: {exc}") from None
+            raise ConnectFailure(
+                f"connect to {self.host}:{self.port} failed: {exc}", connect_error_type(exc)
+            ) from None
         return conn
 
     def release(self, conn: Connection) -> None:

@@ -1,0 +1,571 @@
+"""The differential transparency harness: real upstream applications, real client libraries,
+each request sent direct and through the real sidecar process, the two answers compared.
+
+What is compared: status, interim (1xx) statuses, the response header bytes in order (minus
+the documented differences below), the body's sha256 and the framing (Content-Length,
+chunked, close-delimited, none). Echo endpoints of httpbin return the request they got as JSON:
+there the request is compared instead, minus the documented request additions.
+
+Documented differences (README "Deliberate differences"), and only these, are removed:
+- response: ``x-retry-attempts`` and ``x-retry-fate`` added; hop-by-hop fields
+  (``Connection``, ``Keep-Alive``, ``Transfer-Encoding``, ``Trailer``) belong to each hop and
+  are compared as framing instead; the ``Date`` value (each response is made at its own time);
+- request (echoed): ``X-Forwarded-For/-Proto/-Host``, ``x-retry-attempt``, ``x-retry-edge``,
+  ``x-request-timeout-ms``, the ``tracestate`` member, hop-by-hop fields, and a small chunked
+  body forwarded with Content-Length (it is buffered so it can be resent, as nginx does);
+- the listener's own host:port wherever the application echoes the Host it was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.proc import free_port as proc_free_port
+
+ALL_CLIENTS = ("curl", "requests", "httpx", "urllib3", "aiohttp")
+
+RESPONSE_ADDITIONS = {b"x-retry-attempts", b"x-retry-fate"}
+HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"trailer", b"proxy-connection"}
+REQUEST_ADDITIONS = {
+    "x-forwarded-for",
+    "x-forwarded-proto",
+    "x-forwarded-host",
+    "x-retry-attempt",
+    "x-retry-edge",
+    "x-request-timeout-ms",
+    "tracestate",
+    "connection",
+    "keep-alive",
+    "te",
+    "expect",
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    method: str
+    target: str  # origin-form, exactly as sent
+    headers: tuple[tuple[str, str], ...] = ()
+    body: bytes | None = None
+    chunked: bool = False  # send the body with Transfer-Encoding: chunked
+    echo: bool = False  # httpbin echoes the request as JSON (or JSON lines)
+    upstream: str = "bin"  # "bin" (httpbin under gunicorn) or "ngx" (nginx)
+    clients: tuple[str, ...] = ALL_CLIENTS
+    status: int = 200  # what the direct answer must be, so a case tests what it says
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    interim: list[int] = field(default_factory=list)
+
+    def header(self, name: bytes) -> bytes | None:
+        for k, v in self.headers:
+            if k.lower() == name.lower():
+                return v
+        return None
+
+
+def framing(reply: Reply, method: str) -> str:
+    names = {k.lower() for k, _ in reply.headers}
+    if method == "HEAD" or reply.status in (204, 304):
+        return "none"
+    te = reply.header(b"transfer-encoding")
+    if te is not None and b"chunked" in te.lower():
+        return "chunked"
+    if b"content-length" in names:
+        return "length"
+    return "close"
+
+
+def comparable(reply: Reply, case: Case, hostport: str) -> dict[str, Any]:
+    """What must be equal direct and through the sidecar."""
+    here = hostport.encode()
+    headers = []
+    for k, v in reply.headers:
+        lk = k.lower()
+        if lk in HOP or lk in RESPONSE_ADDITIONS:
+            continue
+        if lk == b"date":
+            v = b"<date>"
+        elif lk == b"content-length" and case.echo:
+            v = b"<echo length>"
+        headers.append((k, v.replace(here, b"HOST")))
+    ctype = reply.header(b"content-type") or b""
+    raw_body = reply.body
+    if ctype.startswith(b"multipart/byteranges; boundary="):
+        # nginx numbers its byterange boundaries per response: compare without them.
+        boundary = ctype.split(b"=", 1)[1]
+        raw_body = raw_body.replace(boundary, b"BOUNDARY")
+        headers = [
+            (k, v.replace(boundary, b"BOUNDARY") if k.lower() == b"content-type" else v)
+            for k, v in headers
+        ]
+    body: Any
+    if case.echo:
+        body = normalize_echo(decoded(reply), hostport)
+    else:
+        body = hashlib.sha256(raw_body).hexdigest()
+    return {
+        "status": reply.status,
+        "interim": reply.interim,
+        "headers": headers,
+        "framing": framing(reply, case.method),
+        "body": body,
+    }
+
+
+def decoded(reply: Reply) -> bytes:
+    """An echo body without its content coding (compared after normalising)."""
+    coding = (reply.header(b"content-encoding") or b"").lower()
+    if coding == b"gzip":
+        return gzip.decompress(reply.body)
+    if coding == b"deflate":
+        return zlib.decompress(reply.body)
+    if coding == b"br":
+        import brotlicffi
+
+        return bytes(brotlicffi.decompress(reply.body))
+    return reply.body
+
+
+def normalize_echo(body: bytes, hostport: str) -> Any:
+    text = body.decode("utf-8", "replace").replace(hostport, "HOST")
+    try:
+        return _strip(json.loads(text))
+    except ValueError:
+        lines = [ln for ln in text.splitlines() if ln.strip()]
+        try:
+            return [_strip(json.loads(ln)) for ln in lines]
+        except ValueError:
+            return text
+
+
+def _strip(doc: Any) -> Any:
+    if not isinstance(doc, dict):
+        return doc
+    doc = dict(doc)
+    doc.pop("origin", None)
+    hdrs = doc.get("headers")
+    if isinstance(hdrs, dict):
+        kept = {k: v for k, v in hdrs.items() if k.lower() not in REQUEST_ADDITIONS}
+        if "Transfer-Encoding" in hdrs or "Content-Length" in hdrs:
+            # A small chunked body goes upstream with a Content-Length (buffered to be
+            # resendable): the body must be equal, its framing may differ.
+            kept.pop("Transfer-Encoding", None)
+            kept.pop("Content-Length", None)
+        doc["headers"] = kept
+    return doc
+
+
+# -- clients -------------------------------------------------------------------------------
+
+
+def _chunks(body: bytes) -> Iterator[bytes]:
+    for i in range(0, len(body), 16384):
+        yield body[i : i + 16384]
+
+
+def send(client: str, base: str, case: Case, tmp: Path) -> Reply:
+    return _CLIENTS[client](base, case, tmp)
+
+
+def _via_curl(base: str, case: Case, tmp: Path) -> Reply:
+    head_file = tmp / "curl-head"
+    body_file = tmp / "curl-body"
+    args = ["curl", "-sS", "--path-as-is", "-D", str(head_file), "-o", str(body_file)]
+    args += ["--max-time", "30", "-H", "Accept:", "-H", "User-Agent: diff-curl"]
+    if case.method == "HEAD":
+        args.append("-I")
+    else:
+        args += ["-X", case.method]
+    for k, v in case.headers:
+        args += ["-H", f"{k}: {v}"]
+    if case.body is not None:
+        data = tmp / "curl-data"
+        data.write_bytes(case.body)
+        args += ["--data-binary", f"@{data}"]
+        if case.chunked:
+            args += ["-H", "Transfer-Encoding: chunked"]
+        if not any(k.lower() == "content-type" for k, _ in case.headers):
+            args += ["-H", "Content-Type:"]
+    subprocess.run([*args, base + case.target], check=True, timeout=40)
+    blocks = [b for b in head_file.read_bytes().split(b"\r\n\r\n") if b.strip()]
+    interim = []
+    for block in blocks[:-1]:
+        interim.append(int(block.split(b" ", 2)[1]))
+    lines = blocks[-1].split(b"\r\n")
+    status = int(lines[0].split(b" ", 2)[1])
+    headers = [tuple(ln.split(b": ", 1)) for ln in lines[1:] if ln]
+    # With -I curl writes the head to the output file too: a HEAD has no body.
+    body = body_file.read_bytes() if body_file.exists() and case.method != "HEAD" else b""
+    body_file.unlink(missing_ok=True)
+    return Reply(status, headers, body, interim)  # type: ignore[arg-type]
+
+
+_KEPT: dict[str, Any] = {}  # one session per client library for the whole module
+
+
+def close_clients() -> None:
+    for c in _KEPT.values():
+        c.close() if hasattr(c, "close") else c.clear()
+    _KEPT.clear()
+
+
+def _via_requests(base: str, case: Case, tmp: Path) -> Reply:
+    import requests
+
+    s = _KEPT.get("requests")
+    if s is None:
+        s = _KEPT["requests"] = requests.Session()
+        s.headers.clear()
+    data: Any = case.body
+    if case.body is not None and case.chunked:
+        data = _chunks(case.body)
+    r = s.request(
+        case.method,
+        base + case.target,
+        headers=dict(case.headers),
+        data=data,
+        allow_redirects=False,
+        stream=True,
+        timeout=30,
+    )
+    body = r.raw.read(decode_content=False)
+    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in r.raw.headers.items()]
+    r.close()
+    return Reply(r.status_code, headers, body)
+
+
+def _via_urllib3(base: str, case: Case, tmp: Path) -> Reply:
+    import urllib3
+
+    pm = _KEPT.get("urllib3")
+    if pm is None:
+        pm = _KEPT["urllib3"] = urllib3.PoolManager()
+    r = pm.request(
+        case.method,
+        base + case.target,
+        headers=dict(case.headers),
+        body=_chunks(case.body) if case.body is not None and case.chunked else case.body,
+        chunked=case.chunked,
+        redirect=False,
+        retries=False,
+        preload_content=False,
+        decode_content=False,
+        timeout=30,
+    )
+    body = r.read(decode_content=False)
+    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in r.headers.items()]
+    r.release_conn()
+    return Reply(r.status, headers, body)
+
+
+def _via_httpx(base: str, case: Case, tmp: Path) -> Reply:
+    import httpx
+
+    c = _KEPT.get("httpx")
+    if c is None:
+        c = _KEPT["httpx"] = httpx.Client(timeout=30)
+    content: Any = case.body
+    if case.body is not None and case.chunked:
+        content = _chunks(case.body)
+    req = c.build_request(case.method, base + case.target, content=content)
+    for name in ("accept", "accept-encoding", "user-agent"):
+        req.headers.pop(name, None)
+    for k, v in case.headers:
+        req.headers[k] = v
+    r = c.send(req, stream=True)
+    body = b"".join(r.iter_raw())
+    r.close()
+    return Reply(r.status_code, list(r.headers.raw), body)
+
+
+def _via_aiohttp(base: str, case: Case, tmp: Path) -> Reply:
+    import aiohttp
+
+    async def go() -> Reply:
+        async with aiohttp.ClientSession(
+            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding")
+        ) as s:
+            data: Any = case.body
+            if case.body is not None and case.chunked:
+
+                async def gen() -> Any:
+                    for c in _chunks(case.body or b""):
+                        yield c
+
+                data = gen()
+            async with s.request(
+                case.method,
+                base + case.target,
+                headers=list(case.headers),
+                data=data,
+                allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=30),
+            ) as r:
+                body = await r.read()
+                return Reply(r.status, list(r.raw_headers), body)
+
+    return asyncio.run(go())
+
+
+_CLIENTS = {
+    "curl": _via_curl,
+    "requests": _via_requests,
+    "urllib3": _via_urllib3,
+    "httpx": _via_httpx,
+    "aiohttp": _via_aiohttp,
+}
+
+
+# -- raw sockets (exact request bytes: HTTP/1.0, pipelining, odd targets) ----------------------
+
+
+def raw_exchange(port: int, data: bytes, timeout: float = 10.0) -> bytes:
+    """Send bytes, read until the server closes; returns everything it sent."""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.settimeout(timeout)
+        s.sendall(data)
+        out = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return out
+            out += chunk
+
+
+def parse_responses(data: bytes, methods: list[str]) -> list[Reply]:
+    """Split a byte stream into its responses (1xx kept as interim statuses of the next)."""
+    replies = []
+    interim: list[int] = []
+    i = 0
+    while i < len(methods):
+        head, sep, data = data.partition(b"\r\n\r\n")
+        if not sep:
+            break
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split(b" ", 2)[1])
+        if 100 <= status < 200:
+            interim.append(status)
+            continue
+        headers = [tuple(ln.split(b": ", 1)) for ln in lines[1:]]
+        reply = Reply(status, headers, b"", interim)  # type: ignore[arg-type]
+        interim = []
+        kind = framing(reply, methods[i])
+        if kind == "length":
+            n = int(reply.header(b"content-length") or b"0")
+            reply.body, data = data[:n], data[n:]
+        elif kind == "chunked":
+            body = b""
+            while True:
+                size_line, _, data = data.partition(b"\r\n")
+                size = int(size_line.split(b";")[0], 16)
+                if size == 0:
+                    # trailers (none expected) end with an empty line
+                    _, _, data = (
+                        data.partition(b"\r\n")
+                        if data.startswith(b"\r\n")
+                        else (data.partition(b"\r\n\r\n"))
+                    )
+                    break
+                body += data[:size]
+                data = data[size + 2 :]
+            reply.body = body
+        elif kind == "close":
+            reply.body, data = data, b""
+        replies.append(reply)
+        i += 1
+    return replies
+
+
+# -- the real processes ------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    # Below the ephemeral range: polling connect() to an ephemeral port that nothing listens on
+    # yet can self-connect and hold the very port a server is about to bind (tests/proc.py).
+    return proc_free_port()
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {err[-2000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"{what} did not listen on {port}")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start_gunicorn(port: int) -> subprocess.Popen[bytes]:
+    """httpbin (PyPI) under gunicorn's threaded worker, keep-alive on."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--worker-class",
+            "gthread",
+            "--threads",
+            "16",
+            "--keep-alive",
+            "30",
+            "--log-level",
+            "warning",
+            "httpbin:app",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    wait_port(port, proc, "gunicorn")
+    return proc
+
+
+NGINX_CONF = """
+worker_processes 1;
+daemon off;
+pid {root}/nginx.pid;
+error_log {root}/error.log warn;
+events {{ worker_connections 256; }}
+http {{
+  access_log off;
+  client_body_temp_path {root}/cb; proxy_temp_path {root}/pt; fastcgi_temp_path {root}/ft;
+  uwsgi_temp_path {root}/ut; scgi_temp_path {root}/st;
+  types {{ text/plain txt; application/octet-stream bin; text/html html; }}
+  keepalive_timeout 30s;
+  if_modified_since before;
+  # nginx makes its own redirects absolute with its listen port, which no proxy in front can
+  # know (nginx's proxy_redirect rewrites them; the sidecar, like Envoy, does not): apps
+  # behind a proxy send relative redirects.
+  absolute_redirect off;
+  server {{
+    listen 127.0.0.1:{port};
+    root {root}/www;
+    location /ngx/gz/ {{ gzip on; gzip_min_length 1; gzip_types text/plain; }}
+    location = /ngx/cookies {{
+      add_header Set-Cookie "a=1; Path=/";
+      add_header Set-Cookie "b=2; HttpOnly";
+      return 200 "cookies\\n";
+    }}
+    location = /ngx/dup {{ add_header X-Dup one; add_header X-Dup two; return 200 "dup\\n"; }}
+    location = /ngx/nocontent {{ return 204; }}
+    location = /ngx/moved {{ return 301 /ngx/files/small.txt; }}
+    location = /ngx/found {{ return 302 http://example.test/elsewhere; }}
+    location = /ngx/teapot {{ return 418 "short and stout\\n"; }}
+    location /ngx/ {{ }}
+  }}
+}}
+"""
+
+
+def start_nginx(port: int, root: Path) -> subprocess.Popen[bytes]:
+    www = root / "www" / "ngx"
+    (www / "files").mkdir(parents=True)
+    (www / "gz").mkdir()
+    (www / "files" / "small.txt").write_bytes(b"hello from nginx\n")
+    big = bytes(range(256)) * (5 * 1024 * 1024 // 256)  # 5 MiB
+    (www / "files" / "big.bin").write_bytes(big)
+    (www / "files" / "utf8-ü.txt").write_bytes("ü\n".encode())
+    (www / "gz" / "text.txt").write_bytes(b"compress me " * 2000)
+    (www / "index.html").write_bytes(b"<p>index</p>\n")
+    conf = root / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(root=root, port=port))
+    proc = subprocess.Popen(
+        ["nginx", "-c", str(conf), "-p", str(root)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    wait_port(port, proc, "nginx")
+    return proc
+
+
+def sidecar_config(port: int, admin: int, bin_port: int, ngx_port: int) -> str:
+    return f"""
+version: 1
+name: diff-edge
+listen: "127.0.0.1:{port}"
+admin: {{listen: "127.0.0.1:{admin}"}}
+limits: {{max_request_body: 8MiB}}
+defaults:
+  breaker: {{min_sequences: 1000000}}
+  budget: {{min_per_second: 1000}}
+routes:
+  - name: drip
+    match: {{path_prefix: /drip}}
+    upstream: "http://127.0.0.1:{bin_port}"
+    retry: {{per_try_timeout: 200ms}}
+  - name: ngx
+    match: {{path_prefix: /ngx/}}
+    upstream: "http://127.0.0.1:{ngx_port}"
+  - name: bin
+    upstream: "http://127.0.0.1:{bin_port}"
+"""
+
+
+def start_sidecar(config: Path, port: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "run", "--config", str(config)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    wait_port(port, proc, "sidecar")
+    return proc
+
+
+@dataclass
+class World:
+    bin_port: int
+    ngx_port: int | None
+    sidecar_port: int
+    tmp: Path
+
+
+def nginx_available() -> bool:
+    return shutil.which("nginx") is not None
+
+
+def curl_available() -> bool:
+    return shutil.which("curl") is not None
+
+
+def make_tmp() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="retry-sidecar-diff-"))
+    path.chmod(0o755)  # nginx's workers run as nobody when the tests run as root
+    return path

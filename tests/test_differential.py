@@ -1,0 +1,373 @@
+"""The differential transparency suite: every case is sent direct to a real application and
+through the real sidecar process, with the same real client, and the answers must match.
+
+Upstreams: httpbin (PyPI) under gunicorn; nginx serving files and fixed answers (skipped, saying
+so, when nginx is not installed). Clients: curl (skipped when absent), requests, httpx, urllib3,
+aiohttp, and raw sockets for exact bytes (HTTP/1.0, pipelining, odd targets, Connection: close).
+What is compared, and the documented differences left out, are in tests/difftools.py.
+
+One gunicorn, one nginx and one sidecar process serve the whole module.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import Iterator
+
+import pytest
+
+from tests import difftools as d
+from tests.difftools import Case
+
+MULTIPART_BOUNDARY = "diffboundary7MA4YWxkTrZu0gW"
+
+
+def _multipart() -> bytes:
+    from urllib3.filepost import encode_multipart_formdata
+
+    body, _ = encode_multipart_formdata(
+        {
+            "field": "value",
+            "unicode": "grüße",
+            "file": ("report.csv", b"a,b\n1,2\n", "text/csv"),
+            "blob": ("blob.bin", bytes(range(256)), "application/octet-stream"),
+        },
+        boundary=MULTIPART_BOUNDARY,
+    )
+    return body
+
+
+JSON_BODY = b'{"name": "gr\\u00fc\\u00dfe", "items": [1, 2, 3], "nested": {"ok": true}}'
+FORM_BODY = urllib.parse.urlencode({"a": "1", "b": "two words", "c": "ü&="}).encode()
+BIG = bytes(range(251)) * (5 * 1024 * 1024 // 251)  # ~5 MiB, not a multiple of the chunk size
+MIB = bytes(range(256)) * 4096
+CT_JSON = (("Content-Type", "application/json"),)
+CT_FORM = (("Content-Type", "application/x-www-form-urlencoded"),)
+NO_HTTPX_LATIN1 = ("curl", "requests", "urllib3", "aiohttp")
+
+BIN_CASES = [
+    # methods and echoed requests
+    Case("get", "GET", "/get", echo=True),
+    Case("get-query", "GET", "/get?a=1&b=%20x&b=2&empty=&flag", echo=True),
+    Case("put", "PUT", "/anything/put", body=b"put body", echo=True),
+    Case("patch", "PATCH", "/anything/patch", body=b"patch", echo=True),
+    Case("delete", "DELETE", "/anything/thing/1", echo=True),
+    Case("options", "OPTIONS", "/anything/opts", echo=True),
+    Case("head-get", "HEAD", "/get", echo=True),
+    Case("head-bytes", "HEAD", "/bytes/64?seed=2"),
+    Case("custom-headers", "GET", "/headers", (("X-Trace", "abc"), ("X-Empty", "")), echo=True),
+    Case(
+        "latin1-header",
+        "GET",
+        "/headers",
+        (("X-Name", "café"),),
+        echo=True,
+        clients=NO_HTTPX_LATIN1,
+    ),
+    # bodies
+    Case("json", "POST", "/post", CT_JSON, JSON_BODY, echo=True),
+    Case("form", "POST", "/post", CT_FORM, FORM_BODY, echo=True),
+    Case(
+        "multipart",
+        "POST",
+        "/post",
+        (("Content-Type", f"multipart/form-data; boundary={MULTIPART_BOUNDARY}"),),
+        _multipart(),
+        echo=True,
+    ),
+    Case("chunked-small", "POST", "/anything/chunked", body=b"x" * 5000, chunked=True, echo=True),
+    Case("empty-post", "POST", "/post", body=b"", echo=True),
+    Case("upload-5mib", "POST", "/anything/big", body=BIG, echo=True),
+    Case(
+        "upload-1mib-chunked",
+        "PUT",
+        "/anything/bigchunked",
+        body=MIB,
+        chunked=True,
+        echo=True,
+        clients=("requests", "httpx", "aiohttp"),
+    ),
+    # response bodies and framing
+    Case("bytes", "GET", "/bytes/2048?seed=7"),
+    Case("stream-bytes", "GET", "/stream-bytes/8192?seed=3&chunk_size=512"),
+    Case("stream-json", "GET", "/stream/4", echo=True),
+    Case("base64", "GET", "/base64/SFRUUEJJTiBpcyBhd2Vzb21l"),
+    Case("html", "GET", "/html"),
+    Case("xml", "GET", "/xml"),
+    Case("utf8", "GET", "/encoding/utf8"),
+    Case("png", "GET", "/image/png"),
+    Case("robots", "GET", "/robots.txt"),
+    Case("links", "GET", "/links/4/2"),
+    # compression passes through (no decompression, header kept)
+    Case("gzip", "GET", "/gzip", echo=True),
+    Case("deflate", "GET", "/deflate", echo=True),
+    Case("brotli", "GET", "/brotli", echo=True),
+    # ranges
+    Case("range", "GET", "/range/2048", (("Range", "bytes=10-99"),), status=206),
+    Case("range-suffix", "GET", "/range/2048", (("Range", "bytes=-100"),), status=206),
+    Case("range-unsatisfiable", "GET", "/range/100", (("Range", "bytes=500-600"),), status=416),
+    # redirects (not followed: the 3xx itself is compared)
+    Case("redirect-to", "GET", "/redirect-to?url=%2Fget&status_code=307", status=307),
+    Case("relative-redirect", "GET", "/relative-redirect/2", status=302),
+    Case(
+        "absolute-redirect", "GET", "/absolute-redirect/1", echo=True, status=302
+    ),  # body names the host
+    Case("redirect-external", "GET", "/redirect-to?url=http%3A%2F%2Fexample.test%2F", status=302),
+    # several Set-Cookie, duplicate and non-ASCII response headers
+    Case("cookies-set", "GET", "/cookies/set?a=1&b=2&c=three", status=302),
+    Case("cookies-echo", "GET", "/cookies", (("Cookie", "a=1; b=2"),), echo=True),
+    Case("dup-response-headers", "GET", "/response-headers?X-Dup=1&X-Dup=2&X-Dup=3"),
+    Case("latin1-response-header", "GET", "/response-headers?X-Name=%C3%BC"),
+    Case(
+        "content-disposition",
+        "GET",
+        "/response-headers?Content-Disposition=attachment%3B%20filename%3D%22%C3%BC.txt%22",
+    ),
+    # statuses: 204, 304, 4xx, 5xx not in retry_on
+    Case("204", "GET", "/status/204", status=204),
+    Case("418", "GET", "/status/418", status=418),
+    Case("401-auth", "GET", "/basic-auth/user/pass", status=401),
+    Case("200-auth", "GET", "/basic-auth/user/pass", (("Authorization", "Basic dXNlcjpwYXNz"),)),
+    Case("500", "GET", "/status/500", status=500),
+    Case("etag-304", "GET", "/etag/abc", (("If-None-Match", '"abc"'),), status=304),
+    Case(
+        "cache-304",
+        "GET",
+        "/cache",
+        (("If-Modified-Since", "Sat, 01 Jan 2000 00:00:00 GMT"),),
+        status=304,
+    ),
+    Case("etag-200", "GET", "/etag/abc", (("If-None-Match", '"other"'),), echo=True),
+    # streams with pauses longer than the drip route's 200 ms per-try timeout
+    Case("drip-pauses", "GET", "/drip?duration=0.6&numbytes=3&delay=0&code=200"),
+    # odd but legal targets, forwarded byte for byte
+    Case("encoded-slash", "GET", "/anything/a%2Fb%3Fc", echo=True),
+    Case("tilde", "GET", "/anything/~user/%7Eother", echo=True),
+    Case("params", "GET", "/anything/a;p=1;q=2/b", echo=True),
+    Case("double-slash", "GET", "/anything//x//y", echo=True, status=308),  # werkzeug merges
+    Case("sub-delims", "GET", "/anything/a:b@c!$&'()*+,;=", echo=True),
+    Case("utf8-path", "GET", "/anything/caf%C3%A9?q=%E2%9C%93", echo=True),
+    Case("long-query", "GET", "/anything?x=" + "y" * 4000, echo=True),
+]
+
+NGX_CASES = [
+    Case("ngx-small", "GET", "/ngx/files/small.txt", upstream="ngx"),
+    Case("ngx-head", "HEAD", "/ngx/files/small.txt", upstream="ngx"),
+    Case("ngx-5mib", "GET", "/ngx/files/big.bin", upstream="ngx"),
+    Case(
+        "ngx-range",
+        "GET",
+        "/ngx/files/big.bin",
+        (("Range", "bytes=100-199"),),
+        upstream="ngx",
+        status=206,
+    ),
+    Case(
+        "ngx-multirange",
+        "GET",
+        "/ngx/files/small.txt",
+        (("Range", "bytes=0-1,-2"),),
+        upstream="ngx",
+        status=206,
+    ),
+    Case(
+        "ngx-304",
+        "GET",
+        "/ngx/files/small.txt",
+        (("If-Modified-Since", "Fri, 01 Jan 2100 00:00:00 GMT"),),
+        upstream="ngx",
+        status=304,
+    ),
+    Case("ngx-gzip", "GET", "/ngx/gz/text.txt", (("Accept-Encoding", "gzip"),), upstream="ngx"),
+    Case("ngx-cookies", "GET", "/ngx/cookies", upstream="ngx"),
+    Case("ngx-dup", "GET", "/ngx/dup", upstream="ngx"),
+    Case("ngx-204", "GET", "/ngx/nocontent", upstream="ngx", status=204),
+    Case("ngx-301", "GET", "/ngx/moved", upstream="ngx", status=301),
+    Case("ngx-302-external", "GET", "/ngx/found", upstream="ngx", status=302),
+    Case("ngx-dir-redirect", "GET", "/ngx/files", upstream="ngx", status=301),
+    Case("ngx-418", "GET", "/ngx/teapot", upstream="ngx", status=418),
+    Case("ngx-404", "GET", "/ngx/missing", upstream="ngx", status=404),
+    Case("ngx-utf8-name", "GET", "/ngx/files/utf8-%C3%BC.txt", upstream="ngx"),
+    Case("ngx-index", "GET", "/ngx/", upstream="ngx"),
+    Case("ngx-post-405", "POST", "/ngx/files/small.txt", body=b"x", upstream="ngx", status=405),
+]
+
+CLIENT_CASES = [(client, case) for case in BIN_CASES + NGX_CASES for client in case.clients]
+
+# Exact bytes: (name, request bytes with {host}, the methods of the responses expected).
+RAW_CASES = [
+    ("http10", b"GET /bytes/100?seed=1 HTTP/1.0\r\nHost: {host}\r\n\r\n", ["GET"]),
+    (
+        "http10-keepalive-stream",
+        b"GET /stream-bytes/3000?seed=5 HTTP/1.0\r\nHost: {host}\r\nConnection: keep-alive\r\n"
+        b"\r\nGET /bytes/10?seed=5 HTTP/1.0\r\nHost: {host}\r\n\r\n",
+        ["GET"],
+    ),
+    (
+        "http10-post",
+        b"POST /anything HTTP/1.0\r\nHost: {host}\r\nContent-Length: 5\r\n\r\nhello",
+        ["POST"],
+    ),
+    (
+        "pipelined-three",
+        b"GET /bytes/16?seed=1 HTTP/1.1\r\nHost: {host}\r\n\r\n"
+        b"GET /status/204 HTTP/1.1\r\nHost: {host}\r\n\r\n"
+        b"GET /stream-bytes/700?seed=2&chunk_size=100 HTTP/1.1\r\nHost: {host}\r\n"
+        b"Connection: close\r\n\r\n",
+        ["GET", "GET", "GET"],
+    ),
+    (
+        "pipelined-head-get",
+        b"HEAD /bytes/16?seed=1 HTTP/1.1\r\nHost: {host}\r\n\r\n"
+        b"GET /bytes/16?seed=1 HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n",
+        ["HEAD", "GET"],
+    ),
+    (
+        "pipelined-post-get",
+        b"POST /anything HTTP/1.1\r\nHost: {host}\r\nContent-Length: 3\r\n\r\nabc"
+        b"GET /bytes/8?seed=9 HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n",
+        ["POST", "GET"],
+    ),
+    (
+        "connection-close",
+        b"GET /bytes/32?seed=4 HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n",
+        ["GET"],
+    ),
+    (
+        "chunked-request",
+        b"POST /anything HTTP/1.1\r\nHost: {host}\r\nTransfer-Encoding: chunked\r\n"
+        b"Connection: close\r\n\r\n3\r\nabc\r\n4;ext=1\r\ndefg\r\n0\r\n\r\n",
+        ["POST"],
+    ),
+    (
+        "duplicate-request-headers",
+        b"GET /headers HTTP/1.1\r\nHost: {host}\r\nX-Dup: 1\r\nX-Dup: 2\r\n"
+        b"Connection: close\r\n\r\n",
+        ["GET"],
+    ),
+    (
+        "obs-text-request-header",
+        b"GET /headers HTTP/1.1\r\nHost: {host}\r\nX-Raw: caf\xe9\r\nConnection: close\r\n\r\n",
+        ["GET"],
+    ),
+    (
+        "odd-target-raw",
+        b"GET /anything/%2e%2E/a%00b/%ZZ?x=%&y HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n",
+        ["GET"],
+    ),
+    (
+        "dot-segments",
+        b"GET /anything/a/./b/../c HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n",
+        ["GET"],
+    ),
+    (
+        "header-case-and-spaces",
+        b"GET /headers HTTP/1.1\r\nhOsT: {host}\r\nx-lower:   padded value   \r\n"
+        b"Connection: close\r\n\r\n",
+        ["GET"],
+    ),
+]
+
+RAW_ECHO = {
+    "http10-post",
+    "pipelined-post-get",
+    "chunked-request",
+    "duplicate-request-headers",
+    "obs-text-request-header",
+    "odd-target-raw",
+    "dot-segments",
+    "header-case-and-spaces",
+}
+
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[d.World]:
+    pytest.importorskip(
+        "httpbin",
+        reason="httpbin is not installed: pip install --no-deps 'httpbin>=0.10.2,<0.11' "
+        "(see README: its greenlet pin conflicts with Playwright's)",
+    )
+    tmp = d.make_tmp()
+    procs = []
+    try:
+        bin_port = d.free_port()
+        procs.append(d.start_gunicorn(bin_port))
+        ngx_port: int | None = None
+        if d.nginx_available():
+            ngx_port = d.free_port()
+            procs.append(d.start_nginx(ngx_port, tmp / "nginx"))
+        port, admin = d.free_port(), d.free_port()
+        config = tmp / "sidecar.yaml"
+        config.write_text(d.sidecar_config(port, admin, bin_port, ngx_port or d.free_port()))
+        procs.append(d.start_sidecar(config, port))
+        yield d.World(bin_port, ngx_port, port, tmp)
+    finally:
+        d.close_clients()
+        for p in reversed(procs):
+            d.stop(p)
+
+
+def _direct_port(world: d.World, case: Case) -> int:
+    if case.upstream == "ngx":
+        if world.ngx_port is None:
+            pytest.skip("nginx is not installed: the nginx upstream cases need it")
+        return world.ngx_port
+    return world.bin_port
+
+
+def _check(direct: d.Reply, proxied: d.Reply, case: Case, dport: int, pport: int) -> None:
+    # The proxied answer really went through the sidecar, and the direct one did not.
+    assert proxied.header(b"x-retry-fate") is not None, proxied.headers
+    assert direct.header(b"x-retry-fate") is None
+    assert direct.status == case.status, (direct.status, direct.body[:200])
+    want = d.comparable(direct, case, f"127.0.0.1:{dport}")
+    got = d.comparable(proxied, case, f"127.0.0.1:{pport}")
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    ("client", "case"), CLIENT_CASES, ids=[f"{cl}-{c.name}" for cl, c in CLIENT_CASES]
+)
+def test_same_answer_direct_and_through_the_sidecar(world: d.World, client: str, case: Case):
+    if client == "curl" and not d.curl_available():
+        pytest.skip("curl is not installed")
+    dport = _direct_port(world, case)
+    tmp = world.tmp
+    direct = d.send(client, f"http://127.0.0.1:{dport}", case, tmp)
+    proxied = d.send(client, f"http://127.0.0.1:{world.sidecar_port}", case, tmp)
+    _check(direct, proxied, case, dport, world.sidecar_port)
+
+
+@pytest.mark.parametrize(("name", "data", "methods"), RAW_CASES, ids=[c[0] for c in RAW_CASES])
+def test_same_bytes_direct_and_through_the_sidecar(world: d.World, name, data, methods):
+    case = Case(name, methods[-1], "", echo=name in RAW_ECHO)
+    answers = []
+    for port in (world.bin_port, world.sidecar_port):
+        raw = d.raw_exchange(port, data.replace(b"{host}", b"127.0.0.1:%d" % port))
+        answers.append(d.parse_responses(raw, list(methods)))
+    direct, proxied = answers
+    assert len(direct) == len(proxied) == len(methods)
+    for dr, pr, method in zip(direct, proxied, methods, strict=True):
+        one = Case(name, method, "", echo=case.echo, status=dr.status)
+        assert dr.status in (200, 204), dr.body[:200]
+        _check(dr, pr, one, world.bin_port, world.sidecar_port)
+
+
+def test_the_comparison_sees_a_difference(world: d.World):
+    """The suite cannot pass by comparing nothing: a changed header or body byte is seen."""
+    case = Case("self-check", "GET", "/response-headers?X-A=1")
+    one = d.send("requests", f"http://127.0.0.1:{world.bin_port}", case, world.tmp)
+    other = d.send(
+        "requests",
+        f"http://127.0.0.1:{world.bin_port}",
+        Case("self-check", "GET", "/response-headers?X-A=2"),
+        world.tmp,
+    )
+    here = f"127.0.0.1:{world.bin_port}"
+    assert d.comparable(one, case, here) != d.comparable(other, case, here)
+    tampered = d.Reply(one.status, one.headers, one.body + b" ")
+    assert d.comparable(one, case, here) != d.comparable(tampered, case, here)
+
+
+def test_case_count_meets_the_floor():
+    assert len(CLIENT_CASES) + len(RAW_CASES) >= 150
