@@ -7,7 +7,8 @@ chunked, close-delimited, none). Echo endpoints of httpbin return the request th
 there the request is compared instead, minus the documented request additions.
 
 Documented differences (README "Deliberate differences"), and only these, are removed:
-- response: ``x-retry-attempts``, ``x-retry-fate`` (and ``x-retry-hedges`` when a hedge ran) added; hop-by-hop fields
+- response: ``x-retry-attempts`` and ``x-retry-fate`` added (``x-retry-hedges`` too when the
+  request was hedged); hop-by-hop fields
   (``Connection``, ``Keep-Alive``, ``Transfer-Encoding``, ``Trailer``) belong to each hop and
   are compared as framing instead; the ``Date`` value (each response is made at its own time);
 - request (echoed): ``X-Forwarded-For/-Proto/-Host``, ``x-retry-attempt``, ``x-retry-edge``,
@@ -39,6 +40,8 @@ from tests.proc import free_port as proc_free_port
 
 ALL_CLIENTS = ("curl", "requests", "httpx", "urllib3", "aiohttp")
 
+# x-retry-hedges: a request the sidecar hedged (on a loaded test host an echo can outlive the
+# adaptive per-try timeout of the route).
 RESPONSE_ADDITIONS = {b"x-retry-attempts", b"x-retry-fate", b"x-retry-hedges"}
 HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"trailer", b"proxy-connection"}
 REQUEST_ADDITIONS = {
