@@ -33,7 +33,7 @@ from sidecar.proxy.respond import (
     proxy_error,
     proxy_status,
 )
-from sidecar.proxy.routing import Refused, find_route, origin_form, request_target
+from sidecar.proxy.routing import Refused, find_route, request_target
 from sidecar.proxy.server import GuardedRequestHandler
 from sidecar.retry.deadline import Deadline, parse_timeout_ms
 from sidecar.telemetry.events import SequenceEnded
@@ -169,13 +169,9 @@ class ProxyHandler:
             return await self._handle(request)
         except (ConnectionError, asyncio.CancelledError):
             raise
-        except BodyStalled as exc:
-            self.deps.malformed("body-timeout")
-            resp = client_error(408, str(exc))
-            resp.force_close()
-            return resp
         except Exception:
-            # A bug must not become a traceback per request: one bounded log line, a clean 502.
+            # A bug before the request was routed (after it, _handle answers and counts it):
+            # never a traceback per request, one bounded log line and a clean 502.
             if self._internal_errors.allow():
                 log.exception("internal error while proxying %s", request.method)
             return proxy_error(502, "internal", "internal error in the sidecar", "exhausted", 0)
@@ -240,7 +236,7 @@ class ProxyHandler:
 
         try:
             return await self._sequence(
-                request, config, route, shared, as_received, edge, timeout_ms, start, span
+                request, config, route, target, shared, as_received, edge, timeout_ms, start, span
             )
         except BodyTooLarge as exc:
             deps.malformed("body-too-large")
@@ -275,6 +271,7 @@ class ProxyHandler:
         request: web.BaseRequest,
         config: Config,
         route: Route,
+        target: str,  # origin-form, as request_target read it
         shared: list[tuple[bytes, bytes]],
         as_received: list[tuple[bytes, bytes]],
         edge: bytes | None,
@@ -284,7 +281,6 @@ class ProxyHandler:
     ) -> web.StreamResponse:
         deps = self.deps
         method = request.method
-        target = origin_form(request.raw_path)
         # Body: buffered up to max_body_bytes so it can be resent; streamed once beyond.
         body: Body = None
         chunked = False

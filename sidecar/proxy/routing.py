@@ -99,11 +99,3 @@ def _valid_host(value: str) -> bool:
     except UnicodeEncodeError:
         return False
     return valid_host(raw)
-
-
-def origin_form(raw: str) -> str:
-    """The target to forward for a request ``request_target`` accepted."""
-    if raw.startswith("/"):
-        return raw
-    where = request_target("GET", raw, None)
-    return where.origin if isinstance(where, Target) else raw

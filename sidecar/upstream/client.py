@@ -22,13 +22,12 @@ class UpstreamResponse:
     called; both are idempotent.
     """
 
-    __slots__ = ("_conn", "_done", "_pool", "headers", "interim", "on_done", "status")
+    __slots__ = ("_conn", "_done", "_pool", "headers", "interim", "status")
 
     def __init__(self, pool: Pool, conn: Connection) -> None:
         self._pool = pool
         self._conn = conn
         self._done = False
-        self.on_done: Callable[[], None] | None = None  # e.g. give back a bulkhead slot
         self.status = conn.status
         self.headers = conn.headers
         # 1xx responses (other than 100) that came before this one: (status, headers).
@@ -84,8 +83,6 @@ class UpstreamResponse:
         if not self._done:
             self._done = True
             self._pool.release(self._conn)
-            if self.on_done is not None:
-                self.on_done()
 
     def discard(self) -> None:
         """Drop the response: the connection is kept only if the body already ended."""
@@ -94,8 +91,6 @@ class UpstreamResponse:
             if not self._conn.complete:
                 self._conn.abort()
             self._pool.release(self._conn)
-            if self.on_done is not None:
-                self.on_done()
 
 
 class UpstreamClient:
