@@ -26,7 +26,7 @@ Live client traffic (``sidecar.proxy``) and DLQ replays (``sidecar.dlq``) both u
 
 from __future__ import annotations
 
-from contextlib import AsyncExitStack
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -70,11 +70,11 @@ class Sequence:
     __slots__ = (
         "_deps",
         "_ex",
-        "_exits",
         "_killed",
         "_name",
         "_period",
         "_probe",
+        "_slot",
         "_state",
         "_verdict",
         "refused_for",
@@ -86,7 +86,7 @@ class Sequence:
         self._name = sidecar_name
         self._ex = ex
         self._state = deps.states.get(ex.route.name)
-        self._exits = AsyncExitStack()
+        self._slot: AbstractAsyncContextManager[None] | None = None  # the bulkhead slot held
         self._probe: bool | None = None  # None: not admitted by the breaker (nothing to record)
         self._period = 0
         self._verdict: Verdict | None = None  # an override set while relaying the body
@@ -120,7 +120,9 @@ class Sequence:
             self._state.hedge_budget.record_request(now)
             wait = min(route.bulkhead.queue_timeout, ex.deadline.remaining(now))
             try:
-                await self._exits.enter_async_context(self._state.bulkhead.slot(wait))
+                slot = self._state.bulkhead.slot(wait)
+                await slot.__aenter__()  # Overloaded without holding anything
+                self._slot = slot
             except LocalOverload as exc:
                 if ex.deadline.expired(clock.monotonic()):
                     # The wait was cut by the deadline, not by the queue timeout.
@@ -169,7 +171,9 @@ class Sequence:
             up = self.response
             if up is not None:
                 up.discard()  # a no-op when the relay released it after the whole body
-            await self._exits.aclose()  # the bulkhead slot
+            slot, self._slot = self._slot, None
+            if slot is not None:
+                await slot.__aexit__(None, None, None)
         finally:
             if self._probe is not None:
                 clock = self._deps.clock
