@@ -175,14 +175,15 @@ async def test_pool_wait_is_bounded_by_the_attempt_time_left():
 # -- the breaker: neutral verdicts, probes that never reached the upstream -------------------------
 
 
-def _open_breaker() -> Breaker:
+def open_breaker(half_open_probes: int = 1) -> Breaker:
+    """A breaker opened by two failures (open_for 1 s, no ramp)."""
     b = Breaker(
         BreakerPolicy(
             failure_ratio=0.5,
             min_sequences=2,
             window=10.0,
             open_for=1.0,
-            half_open_probes=1,
+            half_open_probes=half_open_probes,
             ramp=0.0,
         )
     )
@@ -193,7 +194,7 @@ def _open_breaker() -> Breaker:
 
 
 def test_a_neutral_probe_decides_nothing():
-    b = _open_breaker()
+    b = open_breaker()
     adm = b.admit(2.0)
     assert isinstance(adm, Admitted) and adm.probe
     b.record(2.1, Verdict.NEUTRAL, probe=True, period=adm.period)

@@ -23,9 +23,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from sidecar.config.model import BreakerPolicy, UpstreamPool
+from sidecar.config.model import UpstreamPool
 from sidecar.core import Verdict
-from sidecar.retry.breaker import Admitted, Breaker, State
+from sidecar.retry.breaker import Admitted, State
 from sidecar.retry.budget import Budget
 from sidecar.telemetry.tracing import Tracing
 from sidecar.upstream.connection import Connection
@@ -33,6 +33,7 @@ from sidecar.upstream.pool import Pool
 from tests.conftest import reply, routes_yaml
 from tests.faults import OK, read_request
 from tests.rawhttp import raw_request, raw_server, read_head
+from tests.test_ownership import open_breaker
 
 
 def _memory_tracing() -> tuple[Tracing, InMemorySpanExporter]:
@@ -279,19 +280,7 @@ def test_a_probe_from_an_earlier_half_open_period_has_no_say_in_this_one():
     """A probe admitted in one half-open period may still be in flight when the breaker has
     reopened and turned half-open again: its late verdict must not count toward deciding the
     new period (``Admitted`` carries its period, ``record`` ignores other periods)."""
-    b = Breaker(
-        BreakerPolicy(
-            failure_ratio=0.5,
-            min_sequences=2,
-            window=10.0,
-            open_for=1.0,
-            half_open_probes=2,
-            ramp=0.0,
-        )
-    )
-    b.record(0.0, Verdict.FAILURE, probe=False)
-    b.record(0.1, Verdict.FAILURE, probe=False)
-    assert b.state is State.OPEN
+    b = open_breaker(half_open_probes=2)
     p1, p2 = b.admit(1.2), b.admit(1.2)
     assert isinstance(p1, Admitted) and p1.probe and isinstance(p2, Admitted) and p2.probe
     b.record(1.3, Verdict.FAILURE, probe=True, period=p2.period)  # P2 fails: open again
