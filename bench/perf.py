@@ -3,9 +3,12 @@
     python3 bench/perf.py [--duration 10] [--quick] [--json bench/results/perf.json]
 
 Installs what it needs (nginx-light, haproxy, wrk from Debian's packages) if missing, starts an
-upstream nginx (~100-byte replies, keep-alive), nginx as proxy, HAProxy as proxy and retry-sidecar
-(shipped defaults, pure and mypyc-compiled builds side by side; tracing off), pins every proxy to CPU 0 and the
-upstream and wrk to CPU 1, and measures, alternating A B A B:
+upstream nginx (~100-byte replies, keep-alive), nginx as proxy, HAProxy as proxy, retry-sidecar
+(shipped defaults, pure and mypyc-compiled builds side by side; tracing off) and the two floor
+proxies of bench/floor.py (``floor-aiohttp``: aiohttp's low-level server plus the sidecar's
+upstream client, nothing else; ``floor-protocol``: the same client behind a plain
+asyncio.Protocol with httptools; both run the compiled build's upstream client), pins every
+proxy to CPU 0 and the upstream and wrk to CPU 1, and measures, alternating A B A B:
 
 - peak throughput (wrk, 16 and 64 connections);
 - added latency at a fixed rate (500 and 2,000 req/s; p50/p99/p99.9 minus direct);
@@ -14,8 +17,12 @@ upstream and wrk to CPU 1, and measures, alternating A B A B:
 - 1 MiB bodies streamed both ways (MB/s);
 - 10,000 idle keep-alive client connections (RSS per connection).
 
-It prints a table and the ratios retry-sidecar / nginx, and writes JSON. Loopback only; bounded
-in time; it stops every process it started, by PID.
+The floors relay GET only, so they skip the 1 MiB bodies ("-" in the table). It prints a
+table, the ratios retry-sidecar / nginx, and what share of the sidecar's CPU per request the
+floors account for (floor-aiohttp / sidecar: the part no change inside the sidecar can remove
+while it keeps aiohttp's server; floor-aiohttp minus floor-protocol: what aiohttp's
+per-request server machinery costs), and writes JSON. Loopback only; bounded in time; it stops
+every process it started, by PID.
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ from typing import Any
 
 PURE = "sidecar-pure"
 COMPILED = "sidecar-compiled"
+FLOOR_AIOHTTP = "floor-aiohttp"
+FLOOR_PROTOCOL = "floor-protocol"
+FLOORS = (FLOOR_AIOHTTP, FLOOR_PROTOCOL)
 RATES = (500, 1000, 2000)
 PROXY_CPU = 0
 LOAD_CPU = 1
@@ -154,9 +164,15 @@ def wait_port(port: int, timeout: float = 15.0) -> None:
     raise TimeoutError(f"nothing listens on {port}")
 
 
-def start_into(proc: Proc, cmd: list[str], cpu: int, log: Path, cwd: Path | None = None) -> None:
+def start_into(
+    proc: Proc, cmd: list[str], cpu: int, log: Path, cwd: Path | None = None, path: str = ""
+) -> None:
+    """Start ``cmd`` pinned to ``cpu``; ``cwd`` (a built tree) goes first on PYTHONPATH, then
+    ``path``."""
     out = open(log, "wb")  # noqa: SIM115 - kept open for the process's life
-    env = None if cwd is None else {**os.environ, "PYTHONPATH": str(cwd)}
+    env = None
+    if cwd is not None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(cwd), path)))}
     proc.popen = subprocess.Popen(
         cmd, stdout=out, stderr=out, preexec_fn=pin(cpu), cwd=cwd, env=env
     )
@@ -253,6 +269,11 @@ routes:
     upstream: "http://127.0.0.1:{up}"
 """)
     return [sys.executable, "-m", "sidecar", "run", "--config", str(conf), "--log-level", "warning"]
+
+
+def floor(kind: str, port: int, up: int) -> list[str]:
+    """A floor proxy of bench/floor.py (``bench`` is imported from this checkout)."""
+    return [sys.executable, "-m", "bench.floor", kind, "--listen", str(port), "--upstream", str(up)]
 
 
 def build_tree(d: Path, compiled: bool) -> Path:
@@ -422,18 +443,23 @@ def main() -> int:
         start_into(upstream, nginx_upstream(d, up_port), LOAD_CPU, d / "up.log")
         p_ng, p_ha = free_port(), free_port()
         p_sp, p_sc, a_sp, a_sc = free_port(), free_port(), free_port(), free_port()
+        p_fa, p_fp = free_port(), free_port()
         pure, compiled = build_tree(d, False), build_tree(d, True)
+        here = str(Path(__file__).resolve().parent.parent)
         proxies: list[Proc] = []
         for name, cmd, port, cwd in (
             ("nginx", nginx_proxy(d, p_ng, up_port), p_ng, None),
             ("haproxy", haproxy(d, p_ha, up_port), p_ha, None),
             (PURE, sidecar(d, p_sp, a_sp, up_port, PURE), p_sp, pure),
             (COMPILED, sidecar(d, p_sc, a_sc, up_port, COMPILED), p_sc, compiled),
+            # The floors' upstream client is the compiled one: the lowest the floor can be.
+            (FLOOR_AIOHTTP, floor("aiohttp", p_fa, up_port), p_fa, compiled),
+            (FLOOR_PROTOCOL, floor("protocol", p_fp, up_port), p_fp, compiled),
         ):
             # Kept in procs as soon as it exists, so a later failure still stops it.
             px = Proc(name, port)
             procs.append(px)
-            start_into(px, cmd, PROXY_CPU, d / f"{name}.log", cwd)
+            start_into(px, cmd, PROXY_CPU, d / f"{name}.log", cwd, here)
             proxies.append(px)
         targets: list[tuple[str, int, Proc | None]] = [("direct", up_port, None)]
         targets += [(p.name, p.port, p) for p in proxies]
@@ -459,6 +485,8 @@ def main() -> int:
                     res.add(name, "rss_mb", proc.rss_mb())
             print(f"round {r + 1}/{rounds}: 1 MiB bodies", flush=True)
             for name, port, proc in targets:
+                if name in FLOORS:
+                    continue  # GET only
                 res.add(name, "big_mb_s", big_bodies(port, args.duration, d / "big.lua"))
                 if proc:
                     res.add(name, "rss_after_big_mb", proc.rss_mb())
@@ -485,13 +513,13 @@ def main() -> int:
 
 
 def report(res: Results) -> None:
-    names = ["direct", "nginx", "haproxy", PURE, COMPILED]
+    names = ["direct", "nginx", "haproxy", PURE, COMPILED, *FLOORS]
     m = res.mean
 
     def added(name: str, key: str) -> float:
         return m(name, key) - m("direct", key)
 
-    w = 18
+    w = 17
     print(f"\n{'':<34}" + "".join(f"{n:>{w}}" for n in names))
     for label, key in (("peak req/s, 16 conns", "peak_c16"), ("peak req/s, 64 conns", "peak_c64")):
         print(f"{label:<34}" + "".join(f"{m(n, key):>{w}.0f}" for n in names))
@@ -540,6 +568,23 @@ def report(res: Results) -> None:
     row("1 MiB bodies MB/s", lambda n: f"{m(n, 'big_mb_s') / m(ng, 'big_mb_s'):.2f}x", "")
     row("RSS under load", lambda n: f"{m(n, 'rss_mb'):.1f} MB", "(no regression: 47 MB)")
     row("per idle connection", lambda n: f"{m(n, 'idle_kb_per_conn'):.1f} KB", "(10 KB)")
+
+    print("\nthe floors' share of the sidecar's CPU per request (bench/floor.py):")
+    print(f"{'':<34}{PURE:>{w}}{COMPILED:>{w}}")
+    for rate in (1000, 2000):
+        for fl in FLOORS:
+            row(
+                f"{fl} / sidecar at {rate}/s",
+                lambda n, r=rate, f=fl: f"{m(f, f'r{r}_cpu_us') / m(n, f'r{r}_cpu_us'):.2f}x",
+                f"({fl}: {m(fl, f'r{rate}_cpu_us'):.0f} us)",
+            )
+        row(
+            f"aiohttp server share at {rate}/s",
+            lambda n, r=rate: (
+                f"{(m(FLOOR_AIOHTTP, f'r{r}_cpu_us') - m(FLOOR_PROTOCOL, f'r{r}_cpu_us')) / m(n, f'r{r}_cpu_us'):.2f}x"
+            ),
+            "((floor-aiohttp - floor-protocol) / sidecar)",
+        )
 
 
 if __name__ == "__main__":
