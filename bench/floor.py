@@ -77,13 +77,13 @@ HOP_BY_HOP = frozenset(
         b"proxy-authorization",
     }
 )
-# Re-framed by the floor proxy itself: the relayed body is whole, its length is known.
-REFRAMED = frozenset({b"content-length"})
+# Content-Length is re-framed by the floor proxy itself: the relayed body is whole.
+DROPPED = HOP_BY_HOP | {b"content-length"}
 
 
 def relay_headers(raw: Headers) -> Headers:
     """``raw`` minus hop-by-hop fields, those ``Connection`` names, and Content-Length."""
-    dropped = HOP_BY_HOP | REFRAMED
+    dropped = DROPPED
     for k, v in raw:
         if len(k) == 10 and k.lower() == b"connection":
             named = {t.strip().lower() for t in v.split(b",")} - {b"host", b""}
