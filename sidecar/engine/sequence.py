@@ -36,7 +36,7 @@ from sidecar.engine.attempter import RouteAttempter
 from sidecar.engine.bulkhead import Slot
 from sidecar.engine.deps import EngineDeps
 from sidecar.engine.gate import SequenceGate
-from sidecar.engine.head import build_head, with_edge_tracestate
+from sidecar.engine.head import edge_head
 from sidecar.engine.loop import SequenceResult, run_sequence
 from sidecar.retry.breaker import Admitted
 from sidecar.retry.classify import CUT_SHORT, IDEMPOTENT_METHODS, may_resend, verdict
@@ -190,12 +190,9 @@ class Sequence:
         deps, ex = self._deps, self._ex
         route = ex.route
         clock = deps.clock
-        shared = list(ex.headers)
         # A trusted incoming marker is passed on unchanged; otherwise this sidecar is the edge.
         edge_value = ex.edge if ex.edge is not None and ex.edge != b"tracestate" else self._name
-        shared.append((b"x-retry-edge", edge_value))
-        shared = with_edge_tracestate(shared)
-        head_base = build_head(ex.method, ex.target, shared)
+        head_base = edge_head(ex.method, ex.target, ex.headers, edge_value)
         head_only = ex.method == "HEAD"
         client = deps.client
         tracing = deps.tracing

@@ -35,7 +35,7 @@ from sidecar.proxy.respond import (
     proxy_status,
 )
 from sidecar.proxy.routing import Refused, find_route, request_target
-from sidecar.proxy.server import GuardedRequestHandler
+from sidecar.proxy.server import GuardedRequestHandler, transport_peer
 from sidecar.retry.deadline import Deadline, parse_timeout_ms
 from sidecar.telemetry.events import SequenceEnded
 from sidecar.telemetry.logs import RateLimit
@@ -53,13 +53,10 @@ FULL_RESPONSE_MAX = 64 * 1024  # complete bodies up to this go out in one write
 
 
 def peer_of(request: web.BaseRequest) -> str:
-    transport = request.transport
-    if transport is None:
-        return ""
-    peer = transport.get_extra_info("peername")
-    if isinstance(peer, tuple) and peer:
-        return str(peer[0])
-    return ""
+    proto = request.protocol
+    if isinstance(proto, GuardedRequestHandler):
+        return proto.peer()
+    return transport_peer(request.transport)
 
 
 _TRUST_CACHE: dict[str, bool] = {}
@@ -144,7 +141,7 @@ class ProxyHandler:
         peer = peer_of(request)
         trusted = is_trusted(peer, config.trusted_peers)
         shared, edge, timeout_ms = forward.request_headers(
-            list(raw_headers),
+            raw_headers,
             peer,
             trusted,
             default_host=route.upstream.authority.encode(),
@@ -156,7 +153,9 @@ class ProxyHandler:
             span = tracing.start_server(method, target, route.name, request.headers, peer)
             # Our attempt spans become the parent the upstream sees.
             shared = [(k, v) for k, v in shared if k.lower() != b"traceparent"]
-        as_received = list(shared)  # what a DLQ record keeps (before framing)
+        # What a DLQ record keeps (before framing). Read only when the route has a DLQ: the
+        # copy is skipped otherwise.
+        as_received = list(shared) if route.dlq.enabled else shared
         clock = deps.clock
         start = clock.monotonic()
         if expect is not None and request.version == (1, 1) and request.body_exists:
