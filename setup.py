@@ -19,9 +19,9 @@ import sys
 from setuptools import setup
 
 # The modules every request runs through: the pure retry rules, the engine, the upstream client,
-# header rules and telemetry events/metrics. The rest (CLI, admin, config parsing, DLQ, the
-# aiohttp handler and server subclasses) stays interpreted: it is not on the per-request path,
-# or it subclasses aiohttp's classes, which mypyc cannot compile, or it awaits inside a
+# proxy handler, header rules and telemetry events/metrics. The rest (CLI, admin, config parsing,
+# DLQ, the aiohttp server and response subclasses, the request-body reader) stays interpreted: it
+# is not on the per-request path, or it subclasses aiohttp's classes, which mypyc cannot compile, or it awaits inside a
 # ``finally`` block, whose exception unwinding mypyc gets wrong (upstream/upload.py).
 COMPILED = [
     "sidecar/core.py",
@@ -37,12 +37,15 @@ COMPILED = [
     "sidecar/retry/concurrency.py",
     "sidecar/retry/latency.py",
     "sidecar/retry/endpoints.py",
+    "sidecar/engine/attempter.py",
+    "sidecar/engine/bulkhead.py",
     "sidecar/engine/gate.py",
     "sidecar/engine/head.py",
     "sidecar/engine/loop.py",
     "sidecar/engine/routestate.py",
     "sidecar/engine/sequence.py",
     "sidecar/proxy/forward.py",
+    "sidecar/proxy/handler.py",
     "sidecar/upstream/client.py",
     "sidecar/upstream/connection.py",
     "sidecar/upstream/pool.py",

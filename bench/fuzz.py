@@ -50,8 +50,7 @@ def fuzz_head(data: bytes) -> list[tuple[bytes, bytes]]:
     )
     for k, _ in out:
         assert k.lower() not in forward.HOP_BY_HOP
-    head.with_edge_tracestate(out)
-    head.build_head("GET", target, out)
+    head.edge_head("GET", target, out, b"fuzz")
     forward.response_headers(headers)
     hmap = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
     find_route(_routes(), "GET", target.split("?", 1)[0], hmap.get)

@@ -63,6 +63,7 @@ def fake_response(status: int, retry_after: str | None) -> UpstreamResponse:
     conn = Connection(loop, ("h", 1))
     conn.status = status
     conn.headers = [(b"retry-after", retry_after.encode())] if retry_after else []
+    conn.retry_after = retry_after.encode() if retry_after else None  # as the parser notes it
     up = UpstreamResponse(Pool(loop, "h", 1, PoolSettings()), conn)
     up._done = True  # nothing to give back: no connection was ever made
     return up

@@ -76,12 +76,90 @@ def test_response_headers_drop_hop_by_hop_and_connection_named(raw):
 
 
 @settings(max_examples=200)
-@given(HEADERS)
-def test_edge_tracestate_is_first_and_unique(raw):
-    out = head.with_edge_tracestate(raw)
-    ts = [v for k, v in out if k == b"tracestate"]
+@given(HEADERS, st.sampled_from([b"edge-a", b"outer"]))
+def test_edge_head_puts_the_edge_member_first_once(raw, edge):
+    head_bytes = head.edge_head("GET", "/p", raw, edge)
+    lines = head_bytes.split(b"\r\n")
+    assert lines[0] == b"GET /p HTTP/1.1" and lines[-1] == b""
+    fields = [tuple(line.split(b": ", 1)) for line in lines[1:-1]]
+    ts = [v for k, v in fields if k == b"tracestate"]
     assert len(ts) == 1 and ts[0].startswith(head.EDGE_MEMBER)
-    assert len(ts[0].split(b",")) <= 32
+    assert len(ts[0].split(b",")) <= head.MAX_TRACESTATE_MEMBERS
+    assert fields[-2] == (b"x-retry-edge", edge)
+    # Every other field goes out as it came, in its order.
+    assert fields[:-2] == [(k, v) for k, v in raw if k != b"tracestate"]
+
+
+def _request_headers_two_passes(raw, peer, trusted):
+    """The plain form of forward.request_headers (Connection-named fields found first, then
+    one filtering pass), kept here as the oracle for its one-pass form."""
+    named = forward.connection_named(raw)
+    out, xff, ts = [], [], []
+    edge = timeout = host = proto = fwd_host = None
+    for k, v in raw:
+        lk = k.lower()
+        if lk in forward.OWN_REQUEST:
+            if trusted and lk == b"x-retry-edge":
+                edge = v
+            elif trusted and lk == b"x-request-timeout-ms":
+                timeout = v
+        elif lk == forward.REPLAY_MARKER:
+            pass
+        elif lk == b"tracestate":
+            ts.append(v)
+        elif lk == b"x-forwarded-for":
+            xff.append(v)
+        elif lk == b"x-forwarded-proto":
+            proto = v if trusted else proto
+        elif lk == b"x-forwarded-host":
+            fwd_host = v if trusted else fwd_host
+        elif lk == b"host":
+            if host is None:
+                host = v
+                out.append((k, v))
+        elif not (
+            lk in forward.REFRAMED
+            or lk in forward.HOP_BY_HOP
+            or lk in named
+            or lk.startswith(b"proxy-")
+        ):
+            out.append((k, v))
+    members = [m.strip() for v in ts for m in v.split(b",") if m.strip()]
+    if trusted and edge is None and head.EDGE_MEMBER in members:
+        edge = b"tracestate"
+    members = [m for m in members if not m.startswith(head.TRACESTATE_KEY + b"=")]
+    if members:
+        out.append((b"tracestate", b",".join(members)))
+    out.append((b"X-Forwarded-For", b", ".join([*xff, peer.encode()])))
+    out.append((b"X-Forwarded-Proto", proto or b"http"))
+    if fwd_host or host:
+        out.append((b"X-Forwarded-Host", fwd_host or host))
+    return out, edge, timeout
+
+
+@settings(max_examples=400)
+@given(HEADERS, st.booleans())
+def test_one_pass_request_headers_equal_the_two_pass_form(raw, trusted):
+    assert forward.request_headers(raw, "10.0.0.9", trusted) == _request_headers_two_passes(
+        raw, "10.0.0.9", trusted
+    )
+
+
+@settings(max_examples=400)
+@given(HEADERS)
+def test_one_pass_response_headers_equal_the_two_pass_form(raw):
+    named = forward.connection_named(raw)
+    plain = [
+        (k, v)
+        for k, v in raw
+        if not (
+            k.lower() in forward.HOP_BY_HOP
+            or k.lower() in named
+            or k.lower().startswith(b"proxy-")
+            or k.lower() in forward.OWN_RESPONSE
+        )
+    ]
+    assert forward.response_headers(raw) == plain
 
 
 ROUTES = parse_text(

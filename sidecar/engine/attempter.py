@@ -132,7 +132,7 @@ class RouteAttempter:
             end = clock.monotonic()
             refused = None
             if response.status == 503:
-                code = response.header(b"x-retry-proxy-error")
+                code = response.proxy_error
                 if code is not None:
                     refused = REFUSED_BELOW.get(code.decode("latin-1").strip())
             outcome = outcome_of(response, refused)

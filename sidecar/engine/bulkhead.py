@@ -13,8 +13,7 @@ the old one give it back to the old one, so the count stays exact across the swa
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from types import TracebackType
 
 from sidecar.config.model import BulkheadPolicy
 from sidecar.core import Overloaded
@@ -33,24 +32,53 @@ class Bulkhead:
             self._sem = asyncio.Semaphore(policy.max_concurrent)
         self.policy = policy
 
-    @asynccontextmanager
-    async def slot(self, wait: float) -> AsyncIterator[None]:
+    def slot(self, wait: float) -> Slot:
         """Hold one slot for the body of the ``async with``; wait at most ``wait`` seconds
         (raises Overloaded)."""
-        sem = self._sem
+        return Slot(self, wait)
+
+
+class Slot:
+    """One bulkhead permit as an ``async with`` scope. A class rather than an
+    ``@asynccontextmanager`` generator: every proxied request takes one, and the generator's
+    machinery cost more than the permit itself."""
+
+    __slots__ = ("_bulkhead", "_sem", "_wait")
+
+    def __init__(self, bulkhead: Bulkhead, wait: float) -> None:
+        self._bulkhead = bulkhead
+        self._wait = wait
+        self._sem: asyncio.Semaphore | None = None  # the semaphore the permit came from
+
+    async def __aenter__(self) -> None:
+        bh = self._bulkhead
+        sem = bh._sem
         if sem.locked():
             try:
-                async with asyncio.timeout(max(wait, 0.0)):
+                async with asyncio.timeout(max(self._wait, 0.0)):
                     await sem.acquire()
             except TimeoutError:
                 raise Overloaded(
-                    f"{self.policy.max_concurrent} upstream requests already in flight"
+                    f"{bh.policy.max_concurrent} upstream requests already in flight"
                 ) from None
         else:
             await sem.acquire()  # free: returns at once, no timer armed
-        self.in_flight += 1
-        try:
-            yield
-        finally:
-            self.in_flight -= 1
+        # No await between the permit and this: a cancellation cannot fall in between.
+        self._sem = sem
+        bh.in_flight += 1
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Give the permit back (to the semaphore it came from, even after a reload swapped
+        in another); idempotent."""
+        sem, self._sem = self._sem, None
+        if sem is not None:
+            self._bulkhead.in_flight -= 1
             sem.release()

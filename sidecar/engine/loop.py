@@ -95,7 +95,7 @@ class SequenceResult:
 
 
 def outcome_of(response: UpstreamResponse, refused_below: Fate | None = None) -> Outcome:
-    ra = response.header(b"retry-after")
+    ra = response.retry_after
     return Outcome(
         OutcomeKind.RESPONSE,
         status=response.status,

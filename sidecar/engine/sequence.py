@@ -26,7 +26,6 @@ Live client traffic (``sidecar.proxy``) and DLQ replays (``sidecar.dlq``) both u
 
 from __future__ import annotations
 
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -34,9 +33,10 @@ from typing import TYPE_CHECKING
 from sidecar.config.model import Route
 from sidecar.core import Fate, LocalOverload, NoTimeLeft, UpstreamError, Verdict
 from sidecar.engine.attempter import RouteAttempter
+from sidecar.engine.bulkhead import Slot
 from sidecar.engine.deps import EngineDeps
 from sidecar.engine.gate import SequenceGate
-from sidecar.engine.head import build_head, with_edge_tracestate
+from sidecar.engine.head import edge_head
 from sidecar.engine.loop import SequenceResult, run_sequence
 from sidecar.retry.breaker import Admitted
 from sidecar.retry.classify import CUT_SHORT, IDEMPOTENT_METHODS, may_resend, verdict
@@ -86,7 +86,7 @@ class Sequence:
         self._name = sidecar_name
         self._ex = ex
         self._state = deps.states.get(ex.route.name)
-        self._slot: AbstractAsyncContextManager[None] | None = None  # the bulkhead slot held
+        self._slot: Slot | None = None  # the bulkhead slot held
         self._probe: bool | None = None  # None: not admitted by the breaker (nothing to record)
         self._period = 0
         self._verdict: Verdict | None = None  # an override set while relaying the body
@@ -133,7 +133,7 @@ class Sequence:
                 return self
             self.result = await self._run()
         except BaseException:
-            await self._close(Verdict.NEUTRAL)
+            self._close(Verdict.NEUTRAL)
             raise
         return self
 
@@ -145,7 +145,7 @@ class Sequence:
     ) -> None:
         result = self.result
         if result is None:
-            await self._close(None)
+            self._close(None)
             return
         # The sequence ended before the exit: its result is the verdict even when the client
         # left (or a local error happened) while the answer was relayed. Only a sequence the
@@ -164,16 +164,16 @@ class Sequence:
                 result.fate,
                 down,
             )
-        await self._close(v)
+        self._close(v)
 
-    async def _close(self, v: Verdict | None) -> None:
+    def _close(self, v: Verdict | None) -> None:
         try:
             up = self.response
             if up is not None:
                 up.discard()  # a no-op when the relay released it after the whole body
             slot, self._slot = self._slot, None
             if slot is not None:
-                await slot.__aexit__(None, None, None)
+                slot.release()
         finally:
             if self._probe is not None:
                 clock = self._deps.clock
@@ -190,12 +190,9 @@ class Sequence:
         deps, ex = self._deps, self._ex
         route = ex.route
         clock = deps.clock
-        shared = list(ex.headers)
         # A trusted incoming marker is passed on unchanged; otherwise this sidecar is the edge.
         edge_value = ex.edge if ex.edge is not None and ex.edge != b"tracestate" else self._name
-        shared.append((b"x-retry-edge", edge_value))
-        shared = with_edge_tracestate(shared)
-        head_base = build_head(ex.method, ex.target, shared)
+        head_base = edge_head(ex.method, ex.target, ex.headers, edge_value)
         head_only = ex.method == "HEAD"
         client = deps.client
         tracing = deps.tracing

@@ -66,7 +66,7 @@ def _is_hop(lname: bytes, named: frozenset[bytes]) -> bool:
 
 
 def request_headers(
-    raw: list[tuple[bytes, bytes]],
+    raw: Iterable[tuple[bytes, bytes]],
     peer: str,
     trusted: bool,
     scheme: bytes = b"http",
@@ -81,8 +81,12 @@ def request_headers(
 
     X-Forwarded-For keeps what the client sent and appends the real peer; X-Forwarded-Proto and
     X-Forwarded-Host are set by the sidecar (kept from a trusted peer).
+
+    One pass over the received headers: the names a ``Connection`` header lists are only known
+    once it has been read, so they are removed afterwards, and only when it names a field that
+    is not hop-by-hop already (``Connection: keep-alive`` does not; ``close`` or a custom name
+    does, and costs a second pass over what was kept).
     """
-    named = connection_named(raw)
     out: list[tuple[bytes, bytes]] = []
     xff: list[bytes] = []
     edge: bytes | None = None
@@ -91,6 +95,7 @@ def request_headers(
     proto: bytes | None = None
     fwd_host: bytes | None = None
     tracestate: list[bytes] = []
+    named: list[bytes] | None = None  # the Connection header values, rarely more than one
     for k, v in raw:
         lk = k.lower()
         if lk in OWN_REQUEST:
@@ -124,18 +129,28 @@ def request_headers(
             host = v
             out.append((k, v))
             continue
-        if lk in REFRAMED or _is_hop(lk, named):
+        if lk == b"connection":
+            if named is None:
+                named = []
+            named.append(v)
+            continue
+        if lk in REFRAMED or _is_hop(lk, _NOTHING):
             continue
         out.append((k, v))
-    members = [m for m in _split_tracestate(tracestate) if not m.startswith(TRACESTATE_KEY + b"=")]
-    if (
-        trusted
-        and edge is None
-        and any(m.strip() == EDGE_MEMBER for m in _split_tracestate(tracestate))
-    ):
-        edge = b"tracestate"
-    if members:
-        out.append((b"tracestate", b",".join(members)))
+    if named is not None:
+        out = _drop_named(out, named)
+    if tracestate:
+        members = [
+            m for m in _split_tracestate(tracestate) if not m.startswith(TRACESTATE_KEY + b"=")
+        ]
+        if (
+            trusted
+            and edge is None
+            and any(m.strip() == EDGE_MEMBER for m in _split_tracestate(tracestate))
+        ):
+            edge = b"tracestate"
+        if members:
+            out.append((b"tracestate", b",".join(members)))
     xff.append(peer.encode("ascii", "replace"))
     out.append((b"X-Forwarded-For", b", ".join(xff)))
     out.append((b"X-Forwarded-Proto", proto or scheme))
@@ -150,6 +165,20 @@ def request_headers(
     return out, edge, timeout
 
 
+_NOTHING: frozenset[bytes] = frozenset()
+
+
+def _drop_named(
+    kept: list[tuple[bytes, bytes]], connection_values: list[bytes]
+) -> list[tuple[bytes, bytes]]:
+    """``kept`` without the fields the Connection header values name (hop-by-hop ones are
+    gone already; Host and Content-Length are never removed)."""
+    names = connection_named((b"connection", v) for v in connection_values) - HOP_BY_HOP
+    if not names:
+        return kept
+    return [(k, v) for k, v in kept if k.lower() not in names]
+
+
 def _split_tracestate(values: list[bytes]) -> list[bytes]:
     out = []
     for v in values:
@@ -160,16 +189,22 @@ def _split_tracestate(values: list[bytes]) -> list[bytes]:
     return out
 
 
-def response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """Upstream response headers to copy to the client, as the bytes that came (obs-text
-    included: nginx and Envoy copy bytes, they do not re-encode)."""
-    named = connection_named(raw)
+    included: nginx and Envoy copy bytes, they do not re-encode). One pass, as for requests:
+    a Connection header naming more than hop-by-hop fields costs a second one."""
     out = []
+    named: list[bytes] | None = None
     for k, v in raw:
         lk = k.lower()
-        if _is_hop(lk, named) or lk in OWN_RESPONSE:
-            continue
-        out.append((k, v))
+        if lk == b"connection":
+            if named is None:
+                named = []
+            named.append(v)
+        elif not (_is_hop(lk, _NOTHING) or lk in OWN_RESPONSE):
+            out.append((k, v))
+    if named is not None:
+        out = _drop_named(out, named)
     return out
 
 

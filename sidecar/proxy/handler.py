@@ -13,7 +13,7 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
-from aiohttp import ClientPayloadError, web
+from aiohttp import web
 from aiohttp.http import HttpVersion11
 
 from sidecar.config.model import Config, IpNetwork, Route
@@ -23,6 +23,7 @@ from sidecar.dlq.record import WRITE_METHODS, KeptBody
 from sidecar.engine.loop import SequenceResult
 from sidecar.engine.sequence import Exchange, Sequence
 from sidecar.proxy import forward
+from sidecar.proxy.body import BodyStalled, BodyStream, BodyTooLarge, ClientGone, read_prefix
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.respond import (
     MESSAGES,
@@ -34,7 +35,7 @@ from sidecar.proxy.respond import (
     proxy_status,
 )
 from sidecar.proxy.routing import Refused, find_route, request_target
-from sidecar.proxy.server import GuardedRequestHandler
+from sidecar.proxy.server import GuardedRequestHandler, transport_peer
 from sidecar.retry.deadline import Deadline, parse_timeout_ms
 from sidecar.telemetry.events import SequenceEnded
 from sidecar.telemetry.logs import RateLimit
@@ -48,18 +49,14 @@ log = logging.getLogger("sidecar.proxy")
 # The fate label (metrics, logs) of a response whose upstream broke after its head went out:
 # the client saw x-retry-fate: success in the head, but it is not counted as one.
 BODY_BROKEN = "body-broken"
-READ_CHUNK = 64 * 1024
 FULL_RESPONSE_MAX = 64 * 1024  # complete bodies up to this go out in one write
 
 
 def peer_of(request: web.BaseRequest) -> str:
-    transport = request.transport
-    if transport is None:
-        return ""
-    peer = transport.get_extra_info("peername")
-    if isinstance(peer, tuple) and peer:
-        return str(peer[0])
-    return ""
+    proto = request.protocol
+    if isinstance(proto, GuardedRequestHandler):
+        return proto.peer()
+    return transport_peer(request.transport)
 
 
 _TRUST_CACHE: dict[str, bool] = {}
@@ -86,76 +83,6 @@ def is_trusted(peer: str, networks: tuple[IpNetwork, ...]) -> bool:
         _TRUST_CACHE.clear()
     _TRUST_CACHE[peer] = trusted
     return trusted
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-class BodyStalled(Exception):
-    pass
-
-
-class ClientGone(Exception):
-    """The client's connection broke while its request body was read (an aborted upload).
-    Not an upstream failure: it must never count as one."""
-
-
-async def _read(request: web.BaseRequest, n: int, idle: float) -> bytes:
-    """One read of the client's body, bounded by the body idle timeout."""
-    try:
-        async with asyncio.timeout(idle):
-            return await request.content.read(n)
-    except TimeoutError:
-        raise BodyStalled(f"the request body stalled for {idle:g}s") from None
-    except (ConnectionError, ClientPayloadError) as exc:
-        raise ClientGone(f"the client left during its upload: {exc}") from None
-
-
-async def _read_prefix(request: web.BaseRequest, limit: int, idle: float) -> tuple[bytes, bool]:
-    """Read up to limit+1 bytes: (bytes read, whether the body ended within the limit)."""
-    buf = bytearray()
-    while len(buf) <= limit:
-        chunk = await _read(request, limit + 1 - len(buf), idle)
-        if not chunk:
-            return bytes(buf), True
-        buf += chunk
-    return bytes(buf), False
-
-
-class BodyStream:
-    """The rest of a body too large to buffer, read from the client as the upstream takes it.
-
-    A plain async iterator (not an async generator): an attempt that stops consuming it
-    half-way leaves no generator to finalise, and it compiles with mypyc."""
-
-    __slots__ = ("_idle", "_max_total", "_prefix", "_request", "_total", "started")
-
-    def __init__(
-        self, request: web.BaseRequest, prefix: bytes, max_total: int, idle: float
-    ) -> None:
-        self._request = request
-        self._prefix: bytes | None = prefix
-        self._total = len(prefix)
-        self._max_total = max_total
-        self._idle = idle
-        self.started = False  # whether any byte was handed to the upstream side
-
-    def __aiter__(self) -> BodyStream:
-        return self
-
-    async def __anext__(self) -> bytes:
-        self.started = True
-        if self._prefix is not None:
-            prefix, self._prefix = self._prefix, None
-            return prefix
-        chunk = await _read(self._request, READ_CHUNK, self._idle)
-        if not chunk:
-            raise StopAsyncIteration
-        self._total += len(chunk)
-        if self._total > self._max_total:
-            raise BodyTooLarge(f"request body over {self._max_total} bytes")
-        return chunk
 
 
 class ProxyHandler:
@@ -214,7 +141,7 @@ class ProxyHandler:
         peer = peer_of(request)
         trusted = is_trusted(peer, config.trusted_peers)
         shared, edge, timeout_ms = forward.request_headers(
-            list(raw_headers),
+            raw_headers,
             peer,
             trusted,
             default_host=route.upstream.authority.encode(),
@@ -226,7 +153,9 @@ class ProxyHandler:
             span = tracing.start_server(method, target, route.name, request.headers, peer)
             # Our attempt spans become the parent the upstream sees.
             shared = [(k, v) for k, v in shared if k.lower() != b"traceparent"]
-        as_received = list(shared)  # what a DLQ record keeps (before framing)
+        # What a DLQ record keeps (before framing). Read only when the route has a DLQ: the
+        # copy is skipped otherwise.
+        as_received = list(shared) if route.dlq.enabled else shared
         clock = deps.clock
         start = clock.monotonic()
         if expect is not None and request.version == (1, 1) and request.body_exists:
@@ -289,7 +218,7 @@ class ProxyHandler:
             idle = config.limits.body_idle_timeout
             max_total = config.limits.max_request_body
             limit = min(route.retry.max_body_bytes, max_total)
-            prefix, ended = await _read_prefix(request, limit, idle)
+            prefix, ended = await read_prefix(request, limit, idle)
             if len(prefix) > max_total:  # a chunked body (no Content-Length to refuse early)
                 raise BodyTooLarge(f"request body over {max_total} bytes")
             if ended:

@@ -48,6 +48,16 @@ def _error_bytes(status: int, reason: str, message: str) -> bytes:
     ).encode() + body
 
 
+def transport_peer(transport: asyncio.BaseTransport | None) -> str:
+    """The peer's address on ``transport``, or "" when it has none (gone, or a Unix socket)."""
+    if transport is None:
+        return ""
+    peer = transport.get_extra_info("peername")
+    if isinstance(peer, tuple) and peer:
+        return str(peer[0])
+    return ""
+
+
 def _close_requested(head: bytes) -> bool:
     """Whether a request head (lower-cased) asks for the connection to close after it: a
     ``close`` option, or HTTP/1.0 without keep-alive. A cheap pre-check; the parser decides."""
@@ -68,6 +78,14 @@ class GuardedRequestHandler(RequestHandler):
         self._last_payload: StreamReader | None = None  # the body of the last request head
         self.in_request = False
         self._closing = False  # a request asked to close: later bytes are ignored
+        self._peer = ""  # the client's address, read once per connection
+
+    def peer(self) -> str:
+        """The client's address. Kept for the connection's life: uvloop asks the kernel
+        (getpeername) on every ``get_extra_info("peername")``, and every request needs it."""
+        if not self._peer:
+            self._peer = transport_peer(self.transport)
+        return self._peer
 
     # -- the head deadline ------------------------------------------------------------------
 
@@ -98,18 +116,22 @@ class GuardedRequestHandler(RequestHandler):
         # not, or an idle connection gets an unsolicited 408 that the client's next request
         # reads as its answer.
         last = self._last_payload
-        if (
-            data
+        starts_head = (
+            bool(data)
             and not self.in_request
             and self._head_timer is None
             and (last is None or last.is_eof())
-        ):
-            self._head_timer = self._loop.call_later(
-                self._guard.header_timeout(), self._head_timed_out
-            )
+        )
         before = len(self._messages)
         super().data_received(data)
-        if len(self._messages) > before:
+        if len(self._messages) == before:
+            if starts_head and not self._closing and self.transport is not None:
+                # The head is not complete in this read: it has header_timeout from now. (A
+                # head that arrives whole, the common case, never costs a timer.)
+                self._head_timer = self._loop.call_later(
+                    self._guard.header_timeout(), self._head_timed_out
+                )
+        else:
             # A whole head was parsed (or rejected): the deadline is met.
             self.in_request = True
             self._cancel_head_timer()

@@ -22,7 +22,16 @@ class UpstreamResponse:
     called; both are idempotent.
     """
 
-    __slots__ = ("_conn", "_done", "_pool", "headers", "interim", "status")
+    __slots__ = (
+        "_conn",
+        "_done",
+        "_pool",
+        "headers",
+        "interim",
+        "proxy_error",
+        "retry_after",
+        "status",
+    )
 
     def __init__(self, pool: Pool, conn: Connection) -> None:
         self._pool = pool
@@ -32,13 +41,9 @@ class UpstreamResponse:
         self.headers = conn.headers
         # 1xx responses (other than 100) that came before this one: (status, headers).
         self.interim = conn.interim
-
-    def header(self, name: bytes) -> bytes | None:
-        lname = name.lower()
-        for k, v in self.headers:
-            if k.lower() == lname:
-                return v
-        return None
+        # Read while the head was parsed (no second scan of the headers for them).
+        self.retry_after = conn.retry_after
+        self.proxy_error = conn.proxy_error  # x-retry-proxy-error, set by an inner sidecar
 
     @property
     def content_length(self) -> int | None:

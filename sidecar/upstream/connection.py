@@ -63,6 +63,8 @@ class Connection(asyncio.Protocol):
         "idle_handle",
         "interim",
         "key",
+        "proxy_error",
+        "retry_after",
         "state",
         "status",
         "transport",
@@ -88,6 +90,9 @@ class Connection(asyncio.Protocol):
         self.interim: list[tuple[int, Headers]] = []
         self.head_only = False
         self.content_length: int | None = None  # announced by the response (not chunked)
+        # Fields the retry engine reads, noted in the one pass over the head made for framing.
+        self.retry_after: bytes | None = None
+        self.proxy_error: bytes | None = None  # x-retry-proxy-error of an inner sidecar
         self.eof_delimited = False
         self.extra_data = False
         self.error: UpstreamError | None = None
@@ -229,8 +234,15 @@ class Connection(asyncio.Protocol):
             raise BadResponse(f"invalid status code {status}", "http_protocol_error")
         framed = chunked = False
         length: int | None = None
+        retry_after = proxy_error = None
         for name, value in self.headers:
             n = len(name)  # compare lengths first: lower-casing every name costs
+            if n == 11 and retry_after is None and name.lower() == b"retry-after":
+                retry_after = value
+                continue
+            if n == 19 and proxy_error is None and name.lower() == b"x-retry-proxy-error":
+                proxy_error = value
+                continue
             if n == 17 and name.lower() == b"transfer-encoding":
                 codings = [c.strip().lower() for c in value.split(b",") if c.strip()]
                 if codings != [b"chunked"]:
@@ -246,6 +258,8 @@ class Connection(asyncio.Protocol):
                 v = value.strip()
                 length = int(v) if v.isdigit() else None
         self.content_length = None if chunked else length
+        self.retry_after = retry_after
+        self.proxy_error = proxy_error
         self.status = status
         if not self._parser.should_keep_alive():
             self.state.to_link(Link.MUST_CLOSE)
