@@ -21,8 +21,9 @@ from setuptools import setup
 # The modules every request runs through: the pure retry rules, the engine, the upstream client,
 # proxy handler, header rules and telemetry events/metrics. The rest (CLI, admin, config parsing,
 # DLQ, the aiohttp server and response subclasses, the request-body reader) stays interpreted: it
-# is not on the per-request path, or it subclasses aiohttp's classes, which mypyc cannot compile, or it awaits inside a
-# ``finally`` block, whose exception unwinding mypyc gets wrong (upstream/upload.py).
+# is not on the per-request path, or it subclasses aiohttp's classes, which mypyc cannot compile,
+# or it awaits inside a ``finally`` block, whose exception unwinding mypyc gets wrong
+# (upstream/upload.py).
 COMPILED = [
     "sidecar/core.py",
     "sidecar/retry/backoff.py",
