@@ -34,7 +34,7 @@ from sidecar.engine.attempts import Attempted, AttemptSet
 from sidecar.retry.backoff import Rng
 from sidecar.retry.classify import Outcome, is_retryable
 from sidecar.retry.deadline import Deadline
-from sidecar.retry.decide import Constraints, Decision, Retry, Stop, decide
+from sidecar.retry.decide import Constraints, Decision, Retry, Stop, decide, stop
 from sidecar.retry.endpoints import Endpoint
 from sidecar.telemetry.events import EventSink, HedgeEvent, RetryScheduled
 from sidecar.upstream.client import UpstreamResponse
@@ -190,7 +190,7 @@ class Driver:
         retry after a delay."""
         outcome = a.outcome
         if outcome.refused_below is not None:
-            return Stop(outcome.refused_below)
+            return stop(outcome.refused_below)
         c = self.c
         if not c.killed and self.gate.killed():
             c = Constraints(c.may_resend, c.body_replayable, c.edge_owned, True)
@@ -208,15 +208,15 @@ class Driver:
         if isinstance(decision, Retry):
             if self.gate.draining():
                 # Shutting down: no more backoff sleeps; the last result stands.
-                return Stop(Fate.DRAINING)
+                return stop(Fate.DRAINING)
             refused = self.gate.allow_retry()
             if refused is not None:
-                return Stop(refused)
+                return stop(refused)
             return decision
         fate = decision.fate
         if isinstance(a.error, AttemptTimeout) and self.deadline.expired(self.clock.monotonic()):
             fate = Fate.DEADLINE
-        return Stop(fate)
+        return stop(fate)
 
     async def backoff(self, a: Attempted, retry: Retry) -> SequenceResult | None:
         """Sleep before the next attempt; a result when the sequence ends instead (the

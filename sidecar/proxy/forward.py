@@ -173,6 +173,8 @@ def _drop_named(
 ) -> list[tuple[bytes, bytes]]:
     """``kept`` without the fields the Connection header values name (hop-by-hop ones are
     gone already; Host and Content-Length are never removed)."""
+    if len(connection_values) == 1 and connection_values[0].lower() == b"keep-alive":
+        return kept  # what nginx and most upstreams send: it names nothing left to drop
     names = connection_named((b"connection", v) for v in connection_values) - HOP_BY_HOP
     if not names:
         return kept

@@ -8,6 +8,7 @@ path, and rendering happens only when /metrics is scraped.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
 
 from sidecar.telemetry.events import (
@@ -90,12 +91,7 @@ class Histogram:
         s = self.series.get(labels)
         if s is None:
             s = self.series[labels] = [0.0] * (len(self.buckets) + 2)
-        for i, b in enumerate(self.buckets):
-            if v <= b:
-                s[i] += 1
-                break
-        else:
-            s[len(self.buckets)] += 1
+        s[bisect_left(self.buckets, v)] += 1  # the first bucket >= v; past the last: +Inf
         s[-1] += v
 
     def render(self) -> Iterable[str]:
@@ -179,6 +175,11 @@ class Metrics:
             "Failed writes offered to the DLQ, by route and result "
             "(stored, full, unavailable, body-too-large).",
         )
+        # Label tuples of the per-request series, made once per route and value: the event
+        # handlers below then do plain dict increments.
+        self._route: dict[str, Labels] = {}
+        self._fate: dict[str, dict[str, Labels]] = {}
+        self._outcome: dict[str, dict[str, Labels]] = {}
 
     def all(self) -> list[Counter | Gauge | Histogram]:
         return [
@@ -214,18 +215,34 @@ class Metrics:
 
     # -- EventSink ---------------------------------------------------------------------------
 
+    def _route_labels(self, route: str) -> Labels:
+        labels = self._route.get(route)
+        if labels is None:
+            labels = self._route[route] = (("route", route),)
+        return labels
+
+    @staticmethod
+    def _pair(table: dict[str, dict[str, Labels]], route: str, name: str, value: str) -> Labels:
+        inner = table.get(route)
+        if inner is None:
+            inner = table[route] = {}
+        labels = inner.get(value)
+        if labels is None:
+            labels = inner[value] = (("route", route), (name, value))
+        return labels
+
     def attempt_ended(self, e: AttemptEnded) -> None:
-        self.attempts.inc((("route", e.route), ("outcome", e.outcome)))
-        self.attempt_duration.observe((("route", e.route),), e.duration)
+        self.attempts.inc(self._pair(self._outcome, e.route, "outcome", e.outcome))
+        self.attempt_duration.observe(self._route_labels(e.route), e.duration)
 
     def retry_scheduled(self, e: RetryScheduled) -> None:
         self.retries.inc((("route", e.route),))
 
     def sequence_ended(self, e: SequenceEnded) -> None:
-        self.requests.inc((("route", e.route), ("fate", e.fate)))
-        self.request_duration.observe((("route", e.route),), e.duration)
+        self.requests.inc(self._pair(self._fate, e.route, "fate", e.fate))
+        self.request_duration.observe(self._route_labels(e.route), e.duration)
         if e.fate == "budget-exhausted":
-            self.budget_exhausted.inc((("route", e.route),))
+            self.budget_exhausted.inc(self._route_labels(e.route))
 
     def hedged(self, e: HedgeEvent) -> None:
         self.hedges.inc((("route", e.route), ("result", e.result)))

@@ -42,6 +42,7 @@ class Pool:
         self, loop: asyncio.AbstractEventLoop, host: str, port: int, settings: PoolSettings
     ) -> None:
         self._loop = loop
+        self.loop = loop  # read by the client on every request (no get_running_loop call)
         self.host = host
         self.port = port
         self.settings = settings
