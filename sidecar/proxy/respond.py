@@ -16,7 +16,7 @@ import json
 from http import HTTPStatus
 
 from aiohttp import web
-from aiohttp.http import HttpVersion10
+from aiohttp.http import HttpVersion10, HttpVersion11
 
 from sidecar.core import Fate
 
@@ -80,43 +80,57 @@ class ProxyResponse(web.StreamResponse):
         self._raw = raw
         self._own = own
         self._send_headers_immediately = flush_head
-        if content_length is not None:
-            # For aiohttp's framing only; the bytes sent are the upstream's own field.
-            self._headers["Content-Length"] = str(content_length)
+        self._length = content_length  # announced by the upstream; None: chunked or EOF
+        self._framing = b""
 
     async def _prepare_headers(self) -> None:
-        await super()._prepare_headers()
+        """aiohttp's framing decisions, and only those: its own version also fills ``Date``,
+        ``Server`` and ``Content-Type`` fields into a multidict that a relayed response never
+        sends, which cost more than the decisions themselves on every response."""
         req = self._req
         writer = self._payload_writer
         assert req is not None and writer is not None
-        if req.version == HttpVersion10 and writer.length is None and not self._must_be_empty_body:
-            # aiohttp drops the keep-alive header here but keeps the connection open, so an
-            # HTTP/1.0 keep-alive client waits for a close that never comes: close-delimit.
-            self._keep_alive = False
+        keep_alive = self._keep_alive
+        if keep_alive is None:
+            keep_alive = req.keep_alive
+        version = req.version
+        writer.length = self._length
+        chunked = False
+        if self._length is None and not self._must_be_empty_body:
+            if version >= HttpVersion11:
+                writer.enable_chunking()
+                chunked = True
+            else:
+                # HTTP/1.0 and no length: the body ends when the connection closes. (aiohttp's
+                # own version forgets to close it, and an HTTP/1.0 keep-alive client then waits
+                # for a close that never comes.)
+                keep_alive = False
+        self._keep_alive = keep_alive
+        framing = b"Transfer-Encoding: chunked\r\n" if chunked else b""
+        if keep_alive:
+            if version == HttpVersion10:
+                framing += b"Connection: keep-alive\r\n"
+        elif version == HttpVersion11:
+            framing += b"Connection: close\r\n"
+        self._framing = framing
 
     async def _write_headers(self) -> None:
         req = self._req
         writer = self._payload_writer
         assert req is not None and writer is not None
         version = req.version
-        headers = self._headers
-        framing = b"".join(
-            b"%s: %s\r\n" % (name.encode(), value.encode("latin-1"))
-            for name in ("Transfer-Encoding", "Connection")
-            if (value := headers.get(name)) is not None
-        )
-        head = b"".join(
-            [
-                b"HTTP/%d.%d %d %s\r\n"
-                % (version.major, version.minor, self._status, self._reason.encode("latin-1")),
-                *[k + b": " + v + b"\r\n" for k, v in self._raw],
-                framing,
-                *[k + b": " + v + b"\r\n" for k, v in self._own],
-                b"\r\n",
-            ]
-        )
+        parts = [
+            b"HTTP/%d.%d %d %s\r\n"
+            % (version.major, version.minor, self._status, self._reason.encode("latin-1"))
+        ]
+        for k, v in self._raw:
+            parts.append(k + b": " + v + b"\r\n")
+        parts.append(self._framing)
+        for k, v in self._own:
+            parts.append(k + b": " + v + b"\r\n")
+        parts.append(b"\r\n")
         # aiohttp's writer sends this buffer with the first body bytes (or at once below).
-        writer._headers_buf = head  # type: ignore[attr-defined]
+        writer._headers_buf = b"".join(parts)  # type: ignore[attr-defined]
         writer._headers_written = False  # type: ignore[attr-defined]
         if self._send_headers_immediately:
             writer.send_headers()
