@@ -16,6 +16,8 @@ import json
 from http import HTTPStatus
 
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.helpers import must_be_empty_body
 from aiohttp.http import HttpVersion10, HttpVersion11
 
 from sidecar.core import Fate
@@ -81,15 +83,28 @@ class ProxyResponse(web.StreamResponse):
         self._own = own
         self._send_headers_immediately = flush_head
         self._length = content_length  # announced by the upstream; None: chunked or EOF
-        self._framing = b""
 
-    async def _prepare_headers(self) -> None:
-        """aiohttp's framing decisions, and only those: its own version also fills ``Date``,
-        ``Server`` and ``Content-Type`` fields into a multidict that a relayed response never
-        sends, which cost more than the decisions themselves on every response."""
-        req = self._req
-        writer = self._payload_writer
-        assert req is not None and writer is not None
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        """aiohttp's ``prepare`` without its chain of coroutines (``_start``,
+        ``_prepare_headers``, ``_prepare_hook``, ``_write_headers``), which cost more than the
+        work on every relayed response. The hook has nothing to do under the low-level server
+        (no application, no ``on_response_prepare`` signal)."""
+        if self._eof_sent:
+            return None
+        if self._payload_writer is not None:
+            return self._payload_writer
+        self._must_be_empty_body = must_be_empty_body(request.method, self.status)
+        self._req = request
+        writer = self._payload_writer = request._payload_writer
+        assert writer is not None
+        self._head(request, writer)
+        return writer
+
+    def _head(self, req: web.BaseRequest, writer: AbstractStreamWriter) -> None:
+        """aiohttp's framing decisions, and only those (its own ``_prepare_headers`` also fills
+        ``Date``, ``Server`` and ``Content-Type`` into a multidict that a relayed response never
+        sends), then the head: status line, the upstream's fields as they came, the framing
+        fields, the sidecar's own fields."""
         keep_alive = self._keep_alive
         if keep_alive is None:
             keep_alive = req.keep_alive
@@ -106,26 +121,19 @@ class ProxyResponse(web.StreamResponse):
                 # for a close that never comes.)
                 keep_alive = False
         self._keep_alive = keep_alive
-        framing = b"Transfer-Encoding: chunked\r\n" if chunked else b""
-        if keep_alive:
-            if version == HttpVersion10:
-                framing += b"Connection: keep-alive\r\n"
-        elif version == HttpVersion11:
-            framing += b"Connection: close\r\n"
-        self._framing = framing
-
-    async def _write_headers(self) -> None:
-        req = self._req
-        writer = self._payload_writer
-        assert req is not None and writer is not None
-        version = req.version
         parts = [
             b"HTTP/%d.%d %d %s\r\n"
             % (version.major, version.minor, self._status, self._reason.encode("latin-1"))
         ]
         for k, v in self._raw:
             parts.append(k + b": " + v + b"\r\n")
-        parts.append(self._framing)
+        if chunked:
+            parts.append(b"Transfer-Encoding: chunked\r\n")
+        if keep_alive:
+            if version == HttpVersion10:
+                parts.append(b"Connection: keep-alive\r\n")
+        elif version == HttpVersion11:
+            parts.append(b"Connection: close\r\n")
         for k, v in self._own:
             parts.append(k + b": " + v + b"\r\n")
         parts.append(b"\r\n")
