@@ -125,8 +125,8 @@ async def test_an_exception_after_an_upstream_answer_gives_its_connection_back(
     upstream_factory, sidecar_factory, client, monkeypatch
 ):
     """``Sequence`` discards ``self.result.response`` on exit, but ``self.result`` is set only
-    when ``run_sequence`` returns. Between ``send()`` handing back a response and that return,
-    the response is a local of ``run_sequence`` (outcome, events, decide, kill switch, budget,
+    when the sequence driver returns. Between ``send()`` handing back a response and that return,
+    the response is a local of the sequence driver (outcome, events, decide, kill switch, budget,
     drain are all asked there): any exception on that stretch -- here the budget raising, as the
     existing test of an error after admission does -- leaves the UpstreamResponse undiscarded,
     so its connection is never released: the pool counts it busy for ever (``total`` 1,
@@ -196,7 +196,7 @@ async def test_a_retry_refused_for_lack_of_a_connection_keeps_the_upstream_failu
 ):
     """Attempt 1 gets a 503 from the upstream; during the backoff the pool fills (two requests
     of another route to the same upstream hang), so attempt 2 ends in PoolExhausted.
-    ``run_sequence`` returns ``SequenceResult(OVERLOADED, error=PoolExhausted)`` without the
+    the sequence driver returns ``SequenceResult(OVERLOADED, error=PoolExhausted)`` without the
     503, and ``verdict`` turns a LocalOverload into NEUTRAL: the breaker never hears of the
     failure. In an incident (a hanging upstream holds every pooled connection) most retries
     end this way, so the failures that did reach the upstream are exactly the ones dropped and

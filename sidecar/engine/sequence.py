@@ -26,9 +26,10 @@ Live client traffic (``sidecar.proxy``) and DLQ replays (``sidecar.dlq``) both u
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sidecar.config.model import Route
 from sidecar.core import Fate, LocalOverload, NoTimeLeft, UpstreamError, Verdict
@@ -37,7 +38,7 @@ from sidecar.engine.bulkhead import Slot
 from sidecar.engine.deps import EngineDeps
 from sidecar.engine.gate import SequenceGate
 from sidecar.engine.head import edge_head
-from sidecar.engine.loop import SequenceResult, run_sequence
+from sidecar.engine.loop import SequenceResult, start_sequence
 from sidecar.retry.breaker import Admitted
 from sidecar.retry.classify import CUT_SHORT, IDEMPOTENT_METHODS, may_resend, verdict
 from sidecar.retry.deadline import Deadline
@@ -131,7 +132,10 @@ class Sequence:
                 else:
                     self.result = SequenceResult(Fate.OVERLOADED, 0, None, exc)
                 return self
-            self.result = await self._run()
+            run, attempter = self._start()
+            result = self.result = await run
+            if ex.span is not None:
+                self._annotate(ex.span, attempter, result)
         except BaseException:
             self._close(Verdict.NEUTRAL)
             raise
@@ -186,7 +190,9 @@ class Sequence:
                 )
                 self._probe = None
 
-    async def _run(self) -> SequenceResult:
+    def _start(self) -> tuple[Coroutine[Any, Any, SequenceResult], RouteAttempter]:
+        """The attempts' coroutine, awaited by ``__aenter__`` itself (a coroutine that awaited
+        it would cost one more frame per request), and the attempter it uses."""
         deps, ex = self._deps, self._ex
         route = ex.route
         clock = deps.clock
@@ -252,14 +258,15 @@ class Sequence:
         attempter = RouteAttempter(
             route, self._state, send, clock, deps.events, hedgeable, adaptive=not killed
         )
-        result = await run_sequence(
+        run = start_sequence(
             route, attempter, deadline, constraints, clock, deps.rng, deps.events, gate
         )
-        if span is not None:
-            per_try = route.retry.per_try_timeout
-            auto = attempter.hedge_after() if per_try is None else None
-            if per_try is not None or auto is not None:
-                span.set_attribute("retry_sidecar.per_try_timeout", per_try or auto or 0.0)
-            if result.hedges:
-                span.set_attribute("retry_sidecar.hedges", result.hedges)
-        return result
+        return run, attempter
+
+    def _annotate(self, span: Span, attempter: RouteAttempter, result: SequenceResult) -> None:
+        per_try = self._ex.route.retry.per_try_timeout
+        auto = attempter.hedge_after() if per_try is None else None
+        if per_try is not None or auto is not None:
+            span.set_attribute("retry_sidecar.per_try_timeout", per_try or auto or 0.0)
+        if result.hedges:
+            span.set_attribute("retry_sidecar.hedges", result.hedges)
