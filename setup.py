@@ -26,7 +26,6 @@ from setuptools import setup
 # (upstream/upload.py).
 COMPILED = [
     "sidecar/core.py",
-    "sidecar/config/model.py",
     "sidecar/retry/backoff.py",
     "sidecar/retry/breaker.py",
     "sidecar/retry/budget.py",
@@ -39,6 +38,7 @@ COMPILED = [
     "sidecar/retry/concurrency.py",
     "sidecar/retry/latency.py",
     "sidecar/retry/endpoints.py",
+    "sidecar/engine/attempted.py",
     "sidecar/engine/attempter.py",
     "sidecar/engine/bulkhead.py",
     "sidecar/engine/gate.py",

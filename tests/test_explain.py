@@ -12,7 +12,7 @@ import pytest
 
 from sidecar.config.parse import parse_text
 from sidecar.core import AttemptTimeout, Fate, OutcomeKind, UpstreamError
-from sidecar.engine.attempts import Attempted
+from sidecar.engine.attempted import Attempted
 from sidecar.engine.loop import outcome_of, start_sequence
 from sidecar.retry.classify import Outcome
 from sidecar.retry.deadline import Deadline

@@ -21,7 +21,7 @@ from sidecar.core import (
     OutcomeKind,
     UpstreamError,
 )
-from sidecar.engine.attempts import Attempted
+from sidecar.engine.attempted import Attempted
 from sidecar.engine.loop import outcome_of
 from sidecar.engine.routestate import RouteState
 from sidecar.retry.classify import REFUSED_BELOW, Outcome, accepted

@@ -17,35 +17,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from sidecar.core import LocalOverload, UpstreamError
-from sidecar.retry.classify import Outcome
-from sidecar.retry.endpoints import Endpoint
-
-if TYPE_CHECKING:
-    from sidecar.upstream.client import UpstreamResponse
-
-
-@dataclass(slots=True)
-class Attempted:
-    """One finished attempt."""
-
-    number: int  # 1-based, in the order attempts were started
-    endpoint: Endpoint
-    hedge: bool
-    started: float
-    ended: float
-    outcome: Outcome
-    response: UpstreamResponse | None = None
-    error: UpstreamError | LocalOverload | None = None
-
-    def discard(self) -> None:
-        if self.response is not None:
-            self.response.discard()
-
+from sidecar.engine.attempted import Attempted
 
 AttemptFn = Callable[[], Coroutine[Any, Any, Attempted]]
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from sidecar.core import Fate, LocalOverload
-from sidecar.engine.attempts import Attempted, AttemptSet
+from sidecar.engine.attempted import Attempted
+from sidecar.engine.attempts import AttemptSet
 from sidecar.retry.decide import Stop
 from sidecar.telemetry.events import HedgeEvent
 

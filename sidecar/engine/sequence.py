@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
 
-@dataclass
+@dataclass(init=False)
 class Exchange:
     route: Route
     method: str
@@ -63,6 +63,34 @@ class Exchange:
     deadline: Deadline
     idempotency_key: bool
     span: Span | None = None
+
+    # An explicit __init__: mypyc compiles it, where the one @dataclass generates stays
+    # interpreted (~3,000 instructions per object made, against ~300). One is made per request.
+    def __init__(
+        self,
+        route: Route,
+        method: str,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        body: Body,
+        chunked: bool,
+        replayable: bool,
+        edge: bytes | None,
+        deadline: Deadline,
+        idempotency_key: bool,
+        span: Span | None = None,
+    ) -> None:
+        self.route = route
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.body = body
+        self.chunked = chunked
+        self.replayable = replayable
+        self.edge = edge
+        self.deadline = deadline
+        self.idempotency_key = idempotency_key
+        self.span = span
 
 
 class Sequence:

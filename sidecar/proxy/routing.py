@@ -35,7 +35,9 @@ def find_route(
     return None
 
 
-@dataclass(slots=True)  # one per request: not frozen, whose __init__ costs three times as much
+@dataclass(
+    slots=True, init=False
+)  # one per request: not frozen, whose __init__ costs three times as much
 class Target:
     """Where a request goes: matched on ``path``, forwarded as ``origin`` (origin-form), with
     ``authority`` replacing Host when the client sent an absolute-form target."""
@@ -43,6 +45,13 @@ class Target:
     path: str
     origin: str
     authority: str | None = None
+
+    # An explicit __init__: mypyc compiles it, where the one @dataclass generates stays
+    # interpreted (~3,000 instructions per object made, against ~300). One is made per request.
+    def __init__(self, path: str, origin: str, authority: str | None = None) -> None:
+        self.path = path
+        self.origin = origin
+        self.authority = authority
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from typing import Protocol
 
 
 # Per-request records: slots but not frozen, whose __init__ costs three times as much.
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class AttemptEnded:
     route: str
     attempt: int  # 1-based
@@ -18,8 +18,19 @@ class AttemptEnded:
     duration: float
     error: str | None = None
 
+    # An explicit __init__: mypyc compiles it, where the one @dataclass generates stays
+    # interpreted (~3,000 instructions per object made, against ~300). One is made per attempt.
+    def __init__(
+        self, route: str, attempt: int, outcome: str, duration: float, error: str | None = None
+    ) -> None:
+        self.route = route
+        self.attempt = attempt
+        self.outcome = outcome
+        self.duration = duration
+        self.error = error
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class SequenceEnded:
     route: str
     method: str
@@ -28,6 +39,26 @@ class SequenceEnded:
     duration: float
     status: int  # what the client got
     proxy_error: str | None = None
+
+    # An explicit __init__: mypyc compiles it, where the one @dataclass generates stays
+    # interpreted (~3,000 instructions per object made, against ~300). One is made per request.
+    def __init__(
+        self,
+        route: str,
+        method: str,
+        fate: str,
+        attempts: int,
+        duration: float,
+        status: int,
+        proxy_error: str | None = None,
+    ) -> None:
+        self.route = route
+        self.method = method
+        self.fate = fate
+        self.attempts = attempts
+        self.duration = duration
+        self.status = status
+        self.proxy_error = proxy_error
 
 
 @dataclass(slots=True)
