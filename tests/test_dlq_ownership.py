@@ -577,3 +577,37 @@ async def test_a_file_from_the_previous_version_is_migrated(tmp_path):
     conn = sqlite3.connect(db)
     assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
     conn.close()
+
+
+def test_stores_opening_one_new_file_at_the_same_moment_all_open_it(tmp_path):
+    """Sidecars sharing a DLQ file often start together. SQLite can answer "database is
+    locked" at once (without waiting for the busy timeout) to one of them while another
+    switches the new file to WAL or creates its schema: that one used to run its whole life
+    without a DLQ (every failed write answered ``x-retry-dlq: unavailable``), and a lock met
+    by the integrity check could even move a healthy file aside as corrupt."""
+    import threading
+
+    for round_ in range(15):
+        path = str(tmp_path / f"dlq{round_}.sqlite3")
+        stores = [DlqStore(path, 1000, 10_000_000) for _ in range(4)]
+        start = threading.Barrier(len(stores))
+        errors: list[BaseException] = []
+
+        def open_it(s: DlqStore, start: threading.Barrier, errors: list[BaseException]) -> None:
+            start.wait()
+            try:
+                s.open()
+            except BaseException as exc:  # collected and asserted below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=open_it, args=(s, start, errors)) for s in stores]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        try:
+            assert errors == []
+            assert all(s.available and s.corrupt_moved_to is None for s in stores)
+        finally:
+            for s in stores:
+                s.close()

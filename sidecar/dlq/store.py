@@ -129,7 +129,26 @@ class DlqStore:
     # -- lifecycle -------------------------------------------------------------------------
 
     def open(self) -> None:
-        """Check, create or recover the file, then start the writer thread."""
+        """Check, create or recover the file, then start the writer thread.
+
+        Another process opening the same file at the same moment can hold a lock that SQLite
+        reports at once as "database is locked", without waiting for the busy timeout (the
+        switch to WAL, the schema migration). Opening is then tried again, backing off, for up
+        to the busy timeout: a sidecar must not run its whole life without its DLQ because a
+        neighbour started in the same instant."""
+        give_up = time.monotonic() + self._busy_timeout_ms / 1000.0
+        delay = 0.01
+        while True:
+            try:
+                self._open_once()
+                return
+            except sqlite3.OperationalError as exc:
+                if not _locked(exc) or time.monotonic() + delay > give_up:
+                    raise
+            time.sleep(delay)  # a worker thread: the event loop is not blocked
+            delay = min(delay * 2, 0.2)
+
+    def _open_once(self) -> None:
         if os.path.exists(self.path) and not self._healthy():
             stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
             moved = f"{self.path}.corrupt-{stamp}"
@@ -158,11 +177,15 @@ class DlqStore:
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        conn.execute(f"PRAGMA busy_timeout={int(self._busy_timeout_ms)}")
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")
-        if self._max_page_count is not None:
-            conn.execute(f"PRAGMA max_page_count={int(self._max_page_count)}")
+        try:
+            conn.execute(f"PRAGMA busy_timeout={int(self._busy_timeout_ms)}")
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            if self._max_page_count is not None:
+                conn.execute(f"PRAGMA max_page_count={int(self._max_page_count)}")
+        except BaseException:
+            conn.close()
+            raise
         return conn
 
     def _healthy(self) -> bool:
@@ -172,6 +195,11 @@ class DlqStore:
                 row = conn.execute("PRAGMA quick_check").fetchone()
             finally:
                 conn.close()
+        except sqlite3.OperationalError as exc:
+            if _locked(exc):
+                raise  # held by another process: not a sign of damage; open() tries again
+            log.error("DLQ quick_check of %s failed: %s", self.path, exc)
+            return False
         except sqlite3.DatabaseError as exc:
             log.error("DLQ quick_check of %s failed: %s", self.path, exc)
             return False
@@ -514,3 +542,9 @@ def _log_release(fut: asyncio.Future[Any]) -> None:
     exc = fut.exception()
     if exc is not None:
         log.warning("giving back a DLQ replay claim failed (it will expire): %s", exc)
+
+
+def _locked(exc: sqlite3.OperationalError) -> bool:
+    """SQLITE_BUSY / SQLITE_LOCKED: another connection holds the file for now."""
+    text = str(exc).lower()
+    return "locked" in text or "busy" in text
