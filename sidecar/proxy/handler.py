@@ -419,8 +419,7 @@ class ProxyHandler:
             # The whole body is already here (the common small response): one write.
             body = up.take_body() if up.has_body else b""
             up.release()
-            await resp.prepare(request)
-            await resp.write_eof(body)
+            resp.send_whole(request, body)
             return self._finish(
                 request, route, start, resp, result.fate, result.attempts, None, span
             )

@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 from http import HTTPStatus
 
-from aiohttp import web
+from aiohttp import ClientConnectionResetError, web
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.helpers import must_be_empty_body
-from aiohttp.http import HttpVersion10, HttpVersion11
+from aiohttp.http import HttpVersion, HttpVersion10, HttpVersion11
 
 from sidecar.core import Fate
 
@@ -97,23 +97,50 @@ class ProxyResponse(web.StreamResponse):
         self._req = request
         writer = self._payload_writer = request._payload_writer
         assert writer is not None
-        self._head(request, writer)
+        chunked = self._framing(request)
+        writer.length = self._length
+        if chunked:
+            writer.enable_chunking()
+        # aiohttp's writer sends this buffer with the first body bytes (or at once below).
+        writer._headers_buf = self._head(request.version, chunked)  # type: ignore[attr-defined]
+        writer._headers_written = False  # type: ignore[attr-defined]
+        if self._send_headers_immediately:
+            writer.send_headers()
         return writer
 
-    def _head(self, req: web.BaseRequest, writer: AbstractStreamWriter) -> None:
+    def send_whole(self, request: web.BaseRequest, body: bytes) -> None:
+        """Send the whole response at once: head and body (chunk-framed when the upstream gave
+        no length) in one write to the client's transport, then leave this object as aiohttp's
+        ``prepare`` and ``write_eof`` would (EOF sent, keep-alive decided), so that aiohttp's
+        own calls after the handler do nothing. For a body already complete in memory (the
+        common small response), aiohttp's writer only added coroutines and buffer bookkeeping
+        around the same single write. Raises ConnectionResetError, as aiohttp's writer does,
+        when the client has gone."""
+        self._must_be_empty_body = must_be_empty_body(request.method, self.status)
+        chunked = self._framing(request)
+        if self._must_be_empty_body:
+            payload = b""
+        elif chunked:
+            payload = (b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)) if body else b"0\r\n\r\n"
+        else:
+            payload = body
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ClientConnectionResetError("Cannot write to closing transport")
+        transport.write(self._head(request.version, chunked) + payload)
+        self._eof_sent = True
+        self._body_length = len(payload)
+
+    def _framing(self, req: web.BaseRequest) -> bool:
         """aiohttp's framing decisions, and only those (its own ``_prepare_headers`` also fills
         ``Date``, ``Server`` and ``Content-Type`` into a multidict that a relayed response never
-        sends), then the head: status line, the upstream's fields as they came, the framing
-        fields, the sidecar's own fields."""
+        sends): whether the body goes chunked; the keep-alive decision is kept."""
         keep_alive = self._keep_alive
         if keep_alive is None:
             keep_alive = req.keep_alive
-        version = req.version
-        writer.length = self._length
         chunked = False
         if self._length is None and not self._must_be_empty_body:
-            if version >= HttpVersion11:
-                writer.enable_chunking()
+            if req.version >= HttpVersion11:
                 chunked = True
             else:
                 # HTTP/1.0 and no length: the body ends when the connection closes. (aiohttp's
@@ -121,6 +148,11 @@ class ProxyResponse(web.StreamResponse):
                 # for a close that never comes.)
                 keep_alive = False
         self._keep_alive = keep_alive
+        return chunked
+
+    def _head(self, version: HttpVersion, chunked: bool) -> bytes:
+        """Status line, the upstream's fields as they came, the framing fields, the sidecar's
+        own fields."""
         parts = [
             b"HTTP/%d.%d %d %s\r\n"
             % (version.major, version.minor, self._status, self._reason.encode("latin-1"))
@@ -129,7 +161,7 @@ class ProxyResponse(web.StreamResponse):
             parts.append(k + b": " + v + b"\r\n")
         if chunked:
             parts.append(b"Transfer-Encoding: chunked\r\n")
-        if keep_alive:
+        if self._keep_alive:
             if version == HttpVersion10:
                 parts.append(b"Connection: keep-alive\r\n")
         elif version == HttpVersion11:
@@ -137,11 +169,7 @@ class ProxyResponse(web.StreamResponse):
         for k, v in self._own:
             parts.append(k + b": " + v + b"\r\n")
         parts.append(b"\r\n")
-        # aiohttp's writer sends this buffer with the first body bytes (or at once below).
-        writer._headers_buf = b"".join(parts)  # type: ignore[attr-defined]
-        writer._headers_written = False  # type: ignore[attr-defined]
-        if self._send_headers_immediately:
-            writer.send_headers()
+        return b"".join(parts)
 
 
 def interim_head(status: int, headers: RawHeaders) -> bytes:
