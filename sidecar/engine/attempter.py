@@ -124,11 +124,11 @@ class RouteAttempter:
                     AttemptEnded(name, number, outcome.label, end - start, str(exc))
                 )
                 return Attempted(number, endpoint, hedge, start, end, outcome, None, exc)
-            except LocalOverload as exc:  # the connection pool stayed full
+            except LocalOverload as full:  # the pool stayed full ("full", not "exc": mypyc)
                 end = clock.monotonic()
                 finished = True
-                self._events.attempt_ended(AttemptEnded(name, number, exc.code, 0.0, str(exc)))
-                return Attempted(number, endpoint, hedge, start, end, _LOCAL, None, exc)
+                self._events.attempt_ended(AttemptEnded(name, number, full.code, 0.0, str(full)))
+                return Attempted(number, endpoint, hedge, start, end, _LOCAL, None, full)
             end = clock.monotonic()
             refused = None
             if response.status == 503:

@@ -172,9 +172,9 @@ class ProxyHandler:
             resp413 = client_error(413, str(exc))
             resp413.force_close()  # the rest of the body is not read
             return self._finish(request, route, start, resp413, Fate.NOT_RETRYABLE, 0, None, span)
-        except BodyStalled as exc:
+        except BodyStalled as stalled:  # not "exc": see tests/test_build.py (mypyc)
             deps.malformed("body-timeout")
-            resp408 = client_error(408, str(exc))
+            resp408 = client_error(408, str(stalled))
             resp408.force_close()
             return self._finish(request, route, start, resp408, Fate.NOT_RETRYABLE, 0, None, span)
         except ClientGone:

@@ -155,11 +155,11 @@ class Connection(asyncio.Protocol):
             else:
                 self._fail(UpstreamReset(f"malformed response from upstream: {exc}"))
                 self.close()
-        except httptools.HttpParserError as exc:
+        except httptools.HttpParserError as bad:  # not "exc": see tests/test_build.py (mypyc)
             if self.state.resp is Resp.DONE:
                 self._extra()  # garbage after a complete response
             else:
-                self._fail(UpstreamReset(f"malformed response from upstream: {exc}"))
+                self._fail(UpstreamReset(f"malformed response from upstream: {bad}"))
                 self.close()
 
     def eof_received(self) -> bool:
