@@ -55,6 +55,7 @@ COMPILED = [
     "sidecar/proxy/routing.py",
     "sidecar/telemetry/events.py",
     "sidecar/telemetry/metrics.py",
+    "sidecar/telemetry/requestlog.py",
 ]
 
 

@@ -35,8 +35,8 @@ from sidecar.proxy.handler import ProxyHandler
 from sidecar.proxy.server import SidecarServer
 from sidecar.retry.breaker import GAUGE, State
 from sidecar.telemetry.events import BreakerTransitioned, EventSink, Fanout
-from sidecar.telemetry.logs import RequestLog
 from sidecar.telemetry.metrics import Labels, Metrics
+from sidecar.telemetry.requestlog import RequestLog
 from sidecar.telemetry.tracing import Tracing
 from sidecar.upstream.client import UpstreamClient
 from sidecar.upstream.pool import PoolSettings

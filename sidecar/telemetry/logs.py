@@ -56,29 +56,3 @@ class RateLimit:
             return True
         self.suppressed += 1
         return False
-
-
-class RequestLog:
-    """An EventSink writing one JSON line per finished request, at debug level only."""
-
-    def __init__(self) -> None:
-        self.log = logging.getLogger("sidecar.request")
-
-    def attempt_ended(self, event: object) -> None:
-        pass
-
-    def retry_scheduled(self, event: object) -> None:
-        pass
-
-    def hedged(self, event: object) -> None:
-        pass
-
-    def breaker_transitioned(self, event: object) -> None:
-        pass
-
-    def sequence_ended(self, event: object) -> None:
-        if self.log.isEnabledFor(logging.DEBUG):
-            from dataclasses import asdict, is_dataclass
-
-            fields = asdict(event) if is_dataclass(event) and not isinstance(event, type) else {}
-            self.log.debug("request", extra={"fields": fields})
