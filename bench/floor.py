@@ -53,6 +53,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from sidecar.core import AttemptTimeout, LocalOverload, UpstreamError
+from sidecar.proxy.forward import HOP_BY_HOP
 from sidecar.upstream.client import UpstreamClient
 
 HOST = "127.0.0.1"
@@ -64,19 +65,7 @@ MAX_QUEUED = 16  # pipelined requests a ``protocol`` connection holds before it 
 
 Headers = list[tuple[bytes, bytes]]
 
-HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"proxy-connection",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-    }
-)
+# The hop-by-hop fields are the sidecar's own list (the floors drop what it drops).
 # Content-Length is re-framed by the floor proxy itself: the relayed body is whole.
 DROPPED = HOP_BY_HOP | {b"content-length"}
 
