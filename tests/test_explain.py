@@ -1,5 +1,5 @@
 """explain's numbers come from the pure decide step; check them against the real async driver
-(start_sequence) on a fake clock with every attempt failing."""
+(Driver.run) on a fake clock with every attempt failing."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from sidecar.config.parse import parse_text
 from sidecar.core import AttemptTimeout, Fate, OutcomeKind, UpstreamError
 from sidecar.engine.attempted import Attempted
-from sidecar.engine.loop import outcome_of, start_sequence
+from sidecar.engine.loop import Driver, outcome_of
 from sidecar.retry.classify import Outcome
 from sidecar.retry.deadline import Deadline
 from sidecar.retry.decide import Constraints
@@ -100,7 +100,7 @@ class FakeAttempter:
 async def drive(route, fail):
     clock = FakeClock()
     start = clock.monotonic()
-    result = await start_sequence(
+    result = await Driver(
         route,
         FakeAttempter(clock, fail),
         Deadline.start(start, route.timeout),
@@ -109,7 +109,7 @@ async def drive(route, fail):
         _Highest(),
         Recorder(),
         FakeSleepGate(clock),
-    )
+    ).run()
     return result.attempts, clock.monotonic() - start
 
 

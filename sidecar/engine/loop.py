@@ -180,6 +180,17 @@ class Driver:
         self.used: list[Endpoint] = []
         self.failed_before = False  # an attempt that reached the upstream has failed
 
+    def run(self) -> Coroutine[Any, Any, SequenceResult]:
+        """The coroutine that runs the sequence, in its shape: the caller awaits it directly
+        (one coroutine less per request than awaiting a wrapper that awaits it)."""
+        after = self.attempter.hedge_after()
+        if after is None or not math.isfinite(after) or self.policy.attempts < 2:
+            return self.one_at_a_time()
+        # Interpreted on purpose (see engine/hedging.py): concurrent attempts under cancellation.
+        from sidecar.engine.hedging import hedged
+
+        return hedged(self, after)
+
     def result(self, fate: Fate, a: Attempted | None) -> SequenceResult:
         return _result(fate, self.number, a, self.hedges, self.failed_before)
 
@@ -329,25 +340,3 @@ class Driver:
         self.events.hedged(HedgeEvent(self.route.name, "sent"))
         self.start(running, hedge=True)
         return True
-
-
-def start_sequence(
-    route: Route,
-    attempter: Attempter,
-    deadline: Deadline,
-    constraints: Constraints,
-    clock: Clock,
-    rng: Rng,
-    events: EventSink,
-    gate: RetryGate,
-) -> Coroutine[Any, Any, SequenceResult]:
-    """The coroutine that runs the sequence, in its shape: the caller awaits it directly (one
-    coroutine less per request than awaiting a wrapper that awaits it)."""
-    driver = Driver(route, attempter, deadline, constraints, clock, rng, events, gate)
-    after = attempter.hedge_after()
-    if after is None or not math.isfinite(after) or route.retry.attempts < 2:
-        return driver.one_at_a_time()
-    # Interpreted on purpose (see engine/hedging.py): concurrent attempts under cancellation.
-    from sidecar.engine.hedging import hedged
-
-    return hedged(driver, after)

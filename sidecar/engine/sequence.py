@@ -38,7 +38,7 @@ from sidecar.engine.bulkhead import Slot
 from sidecar.engine.deps import EngineDeps
 from sidecar.engine.gate import SequenceGate
 from sidecar.engine.head import edge_head
-from sidecar.engine.loop import SequenceResult, start_sequence
+from sidecar.engine.loop import Driver, SequenceResult
 from sidecar.retry.breaker import Admitted
 from sidecar.retry.classify import CUT_SHORT, IDEMPOTENT_METHODS, may_resend, verdict
 from sidecar.retry.deadline import Deadline
@@ -286,10 +286,8 @@ class Sequence:
         attempter = RouteAttempter(
             route, self._state, send, clock, deps.events, hedgeable, adaptive=not killed
         )
-        run = start_sequence(
-            route, attempter, deadline, constraints, clock, deps.rng, deps.events, gate
-        )
-        return run, attempter
+        driver = Driver(route, attempter, deadline, constraints, clock, deps.rng, deps.events, gate)
+        return driver.run(), attempter
 
     def _annotate(self, span: Span, attempter: RouteAttempter, result: SequenceResult) -> None:
         per_try = self._ex.route.retry.per_try_timeout
