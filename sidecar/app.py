@@ -6,9 +6,8 @@ import asyncio
 import logging
 import os
 import random
-import sqlite3
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -24,9 +23,6 @@ from sidecar.config.watch import Reloader, ReloadResult
 from sidecar.core import Clock
 from sidecar.dlq.admin import dlq_routes
 from sidecar.dlq.figures import DlqFigures
-from sidecar.dlq.redrive import Redrive, prune
-from sidecar.dlq.replay import Replayer
-from sidecar.dlq.store import DlqStore
 from sidecar.engine.resolve import Resolver
 from sidecar.engine.routestate import RouteState, RouteStates
 from sidecar.lifecycle import Lifecycle
@@ -40,6 +36,13 @@ from sidecar.telemetry.requestlog import RequestLog
 from sidecar.telemetry.tracing import Tracing
 from sidecar.upstream.client import UpstreamClient
 from sidecar.upstream.pool import PoolSettings
+
+if TYPE_CHECKING:
+    # The DLQ's store, replayer and redrive (and sqlite3 with them) are imported when a DLQ
+    # opens (_open_dlq), not at start: a sidecar with no DLQ route never loads them.
+    from sidecar.dlq.redrive import Redrive
+    from sidecar.dlq.replay import Replayer
+    from sidecar.dlq.store import DlqStore
 
 log = logging.getLogger("sidecar")
 
@@ -290,7 +293,12 @@ class Sidecar:
         return any(r.dlq.enabled for r in config.routes) or os.path.exists(self._dlq_path)
 
     def _open_dlq(self, config: Config) -> DlqStore | None:
-        """In a worker thread: open (check, create, migrate) the DLQ file."""
+        """In a worker thread: open (check, create, migrate) the DLQ file. The first call
+        imports the DLQ stack (sqlite3 included), off the event loop."""
+        import sqlite3
+
+        from sidecar.dlq.store import DlqStore
+
         store = DlqStore(
             self._dlq_path,
             config.dlq.max_records,
@@ -325,6 +333,9 @@ class Sidecar:
             if self.life.draining:
                 await asyncio.to_thread(store.close)
                 return
+            from sidecar.dlq.redrive import Redrive, prune
+            from sidecar.dlq.replay import Replayer
+
             self.dlq = store
             self.deps.dlq = store
             self.replayer = Replayer(store, self.deps, lambda: self.store.current)

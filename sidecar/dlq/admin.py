@@ -10,14 +10,21 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from sidecar.admin.server import ExtraRoute, error, iso
 from sidecar.dlq.errors import ClaimRefused, DlqError, RecordBusy, RecordNotFound
-from sidecar.dlq.replay import Replayer
-from sidecar.dlq.store import DlqStore
+
+if TYPE_CHECKING:
+    # The endpoints exist before any DLQ opens; the store and replayer (and sqlite3) are
+    # loaded only when one does.
+    from sidecar.dlq.replay import Replayer
+    from sidecar.dlq.store import DlqStore
+
+    Opened = Callable[[], tuple[DlqStore, Replayer] | None]
+
 
 STATUSES = ("pending", "delivered", "parked")
 MAX_LIMIT = 1000
@@ -36,9 +43,6 @@ def _limit(raw: str | None, default: int) -> int | None:
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
         return None
     return int(raw)
-
-
-Opened = Callable[[], tuple[DlqStore, Replayer] | None]
 
 
 def dlq_routes(opened: Opened, path: Callable[[], str]) -> list[ExtraRoute]:

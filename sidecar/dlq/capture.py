@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sidecar.config.model import Route
 from sidecar.core import Fate
@@ -17,9 +18,12 @@ from sidecar.dlq.record import (
     storable_headers,
     transient_failure,
 )
-from sidecar.dlq.store import DlqStore
 from sidecar.engine.loop import SequenceResult
 from sidecar.retry.classify import may_resend
+
+if TYPE_CHECKING:
+    # The store (and sqlite3 with it) is loaded only when a DLQ opens: a type here, nothing more.
+    from sidecar.dlq.store import DlqStore
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sidecar.dlq.errors import DlqError
-from sidecar.dlq.store import DlqStore
+
+if TYPE_CHECKING:
+    # The store (and sqlite3 with it) is loaded only when a DLQ opens: a type here, nothing more.
+    from sidecar.dlq.store import DlqStore
 
 _COUNTS = (
     "SELECT status, route, COUNT(*), MIN(seq) FROM records "

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sidecar.config.store import ConfigStore
-from sidecar.dlq.store import DlqStore
 from sidecar.engine.deps import EngineDeps
+
+if TYPE_CHECKING:
+    # The store (and sqlite3 with it) is loaded only when a DLQ opens: a type here, nothing more.
+    from sidecar.dlq.store import DlqStore
 
 
 @dataclass
