@@ -25,6 +25,7 @@ from sidecar.dlq.admin import dlq_routes
 from sidecar.dlq.figures import DlqFigures
 from sidecar.engine.resolve import Resolver
 from sidecar.engine.routestate import RouteState, RouteStates
+from sidecar.heaptrim import HeapTrimmer
 from sidecar.lifecycle import Lifecycle
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.handler import ProxyHandler
@@ -139,6 +140,7 @@ class Sidecar:
         self.admin_port = 0
         self._wire_gauges()
         self.rates = RateSampler(self.metrics, self.clock)  # for the status page
+        self.heap = HeapTrimmer()
         self.status = StatusSources(
             store=self.store,
             reloader=self.reloader,
@@ -410,6 +412,7 @@ class Sidecar:
         self.admin_port = int(arunner.addresses[0][1])
 
         self.spawn("status-rates", self.rates.run())
+        self.spawn("heap-trim", self.heap.run())  # RSS back down after large bodies
         if self.reloader is not None:
             self.spawn("config-watch", self.reloader.watch(self.watch_interval))
         self.spawn(
