@@ -45,6 +45,7 @@ COMPILED = [
     "sidecar/engine/head.py",
     "sidecar/engine/loop.py",
     "sidecar/engine/routestate.py",
+    "sidecar/engine/sender.py",
     "sidecar/engine/sequence.py",
     "sidecar/proxy/forward.py",
     "sidecar/proxy/handler.py",

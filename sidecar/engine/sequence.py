@@ -32,18 +32,18 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from sidecar.config.model import Route
-from sidecar.core import Fate, LocalOverload, NoTimeLeft, UpstreamError, Verdict
+from sidecar.core import Fate, LocalOverload, NoTimeLeft, Verdict
 from sidecar.engine.attempter import RouteAttempter
 from sidecar.engine.bulkhead import Slot
 from sidecar.engine.deps import EngineDeps
 from sidecar.engine.gate import SequenceGate
 from sidecar.engine.head import edge_head
 from sidecar.engine.loop import Driver, SequenceResult
+from sidecar.engine.sender import AttemptSender
 from sidecar.retry.breaker import Admitted
 from sidecar.retry.classify import CUT_SHORT, IDEMPOTENT_METHODS, may_resend, verdict
 from sidecar.retry.deadline import Deadline
 from sidecar.retry.decide import Constraints
-from sidecar.retry.endpoints import Endpoint
 from sidecar.upstream.client import Body, UpstreamResponse
 
 if TYPE_CHECKING:
@@ -226,44 +226,18 @@ class Sequence:
         clock = deps.clock
         # A trusted incoming marker is passed on unchanged; otherwise this sidecar is the edge.
         edge_value = ex.edge if ex.edge is not None and ex.edge != b"tracestate" else self._name
-        head_base = edge_head(ex.method, ex.target, ex.headers, edge_value)
-        head_only = ex.method == "HEAD"
-        client = deps.client
-        tracing = deps.tracing
-        span = ex.span
-        body, chunked, deadline, method = ex.body, ex.chunked, ex.deadline, ex.method
-
-        def time_left() -> float:
-            # Called once a streamed body has been sent: the deadline starts from there.
-            deadline.restart(clock.monotonic())
-            return deadline.remaining(clock.monotonic())
-
-        async def send(
-            attempt: int, timeout: float, endpoint: Endpoint, hedge: bool
-        ) -> UpstreamResponse:
-            remaining = deadline.remaining_ms(clock.monotonic())
-            head = head_base + b"x-retry-attempt: %d\r\nx-request-timeout-ms: %d\r\n" % (
-                attempt,
-                remaining,
-            )
-            host, port = endpoint.host, endpoint.port
-            if span is None:
-                return await client.request(
-                    host, port, head + b"\r\n", body, timeout, head_only, chunked, time_left
-                )
-            attempt_span = tracing.start_attempt(span, method, attempt, endpoint.authority, hedge)
-            head += b"traceparent: " + tracing.traceparent(attempt_span) + b"\r\n"
-            try:
-                up = await client.request(
-                    host, port, head + b"\r\n", body, timeout, head_only, chunked, time_left
-                )
-            except BaseException as exc:
-                code = exc.code if isinstance(exc, UpstreamError) else type(exc).__name__
-                tracing.end_attempt(attempt_span, None, code)
-                raise
-            tracing.end_attempt(attempt_span, up.status, None)
-            return up
-
+        sender = AttemptSender(
+            deps.client,
+            clock,
+            deps.tracing,
+            ex.span,
+            ex.method,
+            edge_head(ex.method, ex.target, ex.headers, edge_value),
+            ex.body,
+            ex.chunked,
+            ex.deadline,
+        )
+        method = ex.method
         killed = self._killed
         gate = SequenceGate(route.name, self._state, deps.kill, deps.life, clock, deps.rng)
         constraints = Constraints(
@@ -284,9 +258,11 @@ class Sequence:
             and not killed
         )
         attempter = RouteAttempter(
-            route, self._state, send, clock, deps.events, hedgeable, adaptive=not killed
+            route, self._state, sender.send, clock, deps.events, hedgeable, adaptive=not killed
         )
-        driver = Driver(route, attempter, deadline, constraints, clock, deps.rng, deps.events, gate)
+        driver = Driver(
+            route, attempter, ex.deadline, constraints, clock, deps.rng, deps.events, gate
+        )
         return driver.run(), attempter
 
     def _annotate(self, span: Span, attempter: RouteAttempter, result: SequenceResult) -> None:

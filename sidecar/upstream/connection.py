@@ -182,6 +182,9 @@ class Connection(asyncio.Protocol):
         self.state.to_link(Link.CLOSED)
         self._wake()
         self._wake_drain(UpstreamReset("upstream closed while sending"))
+        # The parser holds bound methods of this connection and the connection holds the
+        # parser: a cycle only the garbage collector would free. No bytes come after this.
+        self._parser = None
 
     def pause_writing(self) -> None:
         self._write_paused = True
