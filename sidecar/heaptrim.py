@@ -20,7 +20,8 @@ noise next to moving the bytes, and measured so (bench/perf.py's 1 MiB figures).
 Rejected: a fixed ``MALLOC_MMAP_THRESHOLD_`` (64 or 128 KiB) also gives the memory back, but
 makes every such buffer an mmap/munmap pair and halved 1 MiB streaming throughput.
 
-glibc only: on another C library (musl, macOS) ``malloc_trim`` is absent and nothing runs.
+glibc only: on another C library (musl, macOS), or a Python without ctypes, ``malloc_trim`` is
+absent and nothing runs.
 """
 
 from __future__ import annotations
@@ -47,12 +48,13 @@ def rss_bytes() -> int | None:
 
 def glibc_malloc_trim() -> Callable[[], None] | None:
     """glibc's ``malloc_trim(0)`` as a callable, or None when the C library has none. Imports
-    ctypes (some 0.4 MB), so it is called only once a trim is due."""
-    import ctypes
-
+    ctypes (some 0.4 MB), so it is called only once a trim is due. A Python built without
+    ctypes (no _ctypes module) has no trim either: absent, not a failed task."""
     try:
+        import ctypes
+
         fn = ctypes.CDLL(None).malloc_trim  # the process's own symbols: its C library's
-    except (OSError, AttributeError):
+    except (ImportError, OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_size_t]
     fn.restype = ctypes.c_int

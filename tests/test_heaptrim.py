@@ -114,6 +114,16 @@ def test_glibc_malloc_trim_lookup_matches_the_platform():
     assert (trim is not None) == bool(libc and libc.startswith("glibc")), libc
 
 
+def test_a_python_without_ctypes_means_no_trim_not_a_failed_task(monkeypatch):
+    """A Python built without _ctypes (a minimal or embedded build): the trim is absent, as
+    on a C library without malloc_trim, instead of an ImportError that ends the task."""
+    monkeypatch.setitem(sys.modules, "ctypes", None)  # ``import ctypes`` raises ImportError
+    assert glibc_malloc_trim() is None
+    readings = iter([10 * MB] + [100 * MB] * 3)
+    t = HeapTrimmer(lambda: next(readings))
+    assert [t.check() for _ in range(4)] == [False] * 4 and t.trims == 0
+
+
 async def test_cancelled_half_way_the_task_ends_and_trims_nothing_more():
     f = Fake(40 * MB, 100 * MB)
     t = HeapTrimmer(f.rss, f.factory)
