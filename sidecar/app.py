@@ -296,7 +296,8 @@ class Sidecar:
 
     def _open_dlq(self, config: Config) -> DlqStore | None:
         """In a worker thread: open (check, create, migrate) the DLQ file. The first call
-        imports the DLQ stack (sqlite3 included), off the event loop."""
+        imports the store and sqlite3, off the event loop (the replayer and redrive follow in
+        ``_open_dlq_now``, on the loop, once)."""
         import sqlite3
 
         from sidecar.dlq.store import DlqStore
