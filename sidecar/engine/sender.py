@@ -77,26 +77,18 @@ class AttemptSender:
             attempt,
             remaining,
         )
-        client, span = self._client, self._span
-        host, port = endpoint.host, endpoint.port
-        if span is None:
-            return await client.request(
-                host,
-                port,
-                head + b"\r\n",
-                self._body,
-                timeout,
-                self._head_only,
-                self._chunked,
-                self.time_left,
+        span = self._span
+        attempt_span: Span | None = None
+        if span is not None:
+            tracing = self._tracing
+            attempt_span = tracing.start_attempt(
+                span, self._method, attempt, endpoint.authority, hedge
             )
-        tracing = self._tracing
-        attempt_span = tracing.start_attempt(span, self._method, attempt, endpoint.authority, hedge)
-        head += b"traceparent: " + tracing.traceparent(attempt_span) + b"\r\n"
+            head += b"traceparent: " + tracing.traceparent(attempt_span) + b"\r\n"
         try:
-            up = await client.request(
-                host,
-                port,
+            up = await self._client.request(
+                endpoint.host,
+                endpoint.port,
                 head + b"\r\n",
                 self._body,
                 timeout,
@@ -105,8 +97,10 @@ class AttemptSender:
                 self.time_left,
             )
         except BaseException as exc:
-            code = exc.code if isinstance(exc, UpstreamError) else type(exc).__name__
-            tracing.end_attempt(attempt_span, None, code)
+            if attempt_span is not None:
+                code = exc.code if isinstance(exc, UpstreamError) else type(exc).__name__
+                self._tracing.end_attempt(attempt_span, None, code)
             raise
-        tracing.end_attempt(attempt_span, up.status, None)
+        if attempt_span is not None:
+            self._tracing.end_attempt(attempt_span, up.status, None)
         return up
