@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.conftest import Running, Upstream, reply
+from tests.conftest import Running, Upstream, reply, routes_yaml
 
 
 def _from_sidecar(obj: Any) -> str | None:
@@ -73,15 +73,11 @@ async def test_requests_that_succeed_retry_or_fail_leave_no_cyclic_garbage(
     # Every third request is answered 503 once, then 200: a retried sequence.
     flaky = await upstream_factory(reply(503), reply(200), reply(200))
     down = await upstream_factory(reply(502))
-    sc = await sidecar_factory(f"""
-version: 1
-name: test-edge
-listen: "127.0.0.1:0"
-admin: {{listen: "127.0.0.1:0"}}
-defaults:
-  retry:
-    backoff: {{strategy: constant, base: 1ms, max: 1ms}}
-routes:
+    # The catch-all route comes first in routes_yaml, so it matches only /a here.
+    sc = await sidecar_factory(
+        routes_yaml(
+            ok.url,
+            route_extra=f"""    match: {{path_prefix: /a}}
   - name: flaky
     match: {{path_prefix: /flaky}}
     upstream: "{flaky.url}"
@@ -89,9 +85,9 @@ routes:
     match: {{path_prefix: /down}}
     upstream: "{down.url}"
     retry: {{attempts: 2}}
-  - name: main
-    upstream: "{ok.url}"
-""")
+""",
+        )
+    )
     # Warm up: first requests fill caches (label tuples, pooled connections).
     await _requests(client, sc.url + "/a", 3)
     await _requests(client, sc.url + "/down", 1)
