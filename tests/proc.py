@@ -42,20 +42,24 @@ class SidecarProcess:
             stderr=subprocess.PIPE,
         )
 
-    async def wait_port(self, port: int, timeout: float = 15.0) -> None:
+    async def wait_port(self, *ports: int, timeout: float = 15.0) -> None:
+        """Wait until every port given accepts a connection. The proxy listens before the
+        admin API does, so a test that talks to both waits for both."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
-                raise RuntimeError(f"sidecar exited with {self.proc.returncode}: {err}")
-            try:
-                _, w = await asyncio.open_connection("127.0.0.1", port)
-                w.close()
-                return
-            except OSError:
-                await asyncio.sleep(0.05)
-        raise TimeoutError(f"sidecar did not listen on {port}")
+        for port in ports:
+            while True:
+                assert self.proc is not None
+                if self.proc.poll() is not None:
+                    err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                    raise RuntimeError(f"sidecar exited with {self.proc.returncode}: {err}")
+                try:
+                    _, w = await asyncio.open_connection("127.0.0.1", port)
+                    w.close()
+                    break
+                except OSError:
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"sidecar did not listen on {port}") from None
+                    await asyncio.sleep(0.05)
 
     def terminate(self, timeout: float = 30.0) -> int:
         assert self.proc is not None

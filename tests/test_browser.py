@@ -40,7 +40,7 @@ async def test_read_act_and_check_in_a_real_browser(upstream_factory, tmp_path):
     proc.start()
     auth = {"Authorization": f"Bearer {TOKEN}"}
     try:
-        await proc.wait_port(port)
+        await proc.wait_port(port, admin)
         async with aiohttp.ClientSession() as api:
             # Traffic, and one parked DLQ record (stored on 503, replayed into a 400).
             for i in range(5):

@@ -38,7 +38,7 @@ async def test_dlq_verbs(upstream_factory, tmp_path):
     proc = SidecarProcess(cfg)
     proc.start()
     try:
-        await proc.wait_port(port)
+        await proc.wait_port(port, admin)
         async with (
             aiohttp.ClientSession() as s,
             s.put(f"http://127.0.0.1:{port}/doc/1", data=b"v1") as r,

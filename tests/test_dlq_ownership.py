@@ -197,8 +197,8 @@ async def test_two_processes_sharing_a_file_deliver_every_record_exactly_once(
         procs.append(p)
         ports.append((port, admin_port))
     try:
-        for p, (port, _) in zip(procs, ports, strict=True):
-            await p.wait_port(port)
+        for p, (port, admin_port) in zip(procs, ports, strict=True):
+            await p.wait_port(port, admin_port)
         ids = []
         async with aiohttp.ClientSession() as s:
             for i in range(12):
@@ -263,7 +263,7 @@ async def test_a_crashed_replay_leaves_a_claim_that_expires(upstream_factory, tm
     proc = SidecarProcess(cfg)
     proc.start()
     try:
-        await proc.wait_port(port)
+        await proc.wait_port(port, admin_port)
         async with aiohttp.ClientSession() as s:
             async with s.post(f"http://127.0.0.1:{port}/o", data=b"x") as r:
                 rid = r.headers["x-retry-dlq-id"]

@@ -41,8 +41,7 @@ async def test_sqlite_is_loaded_only_when_a_reload_enables_a_dlq_route(upstream_
     pid = proc.proc.pid
     admin = f"http://127.0.0.1:{admin_port}"
     try:
-        await proc.wait_port(port)
-        await proc.wait_port(admin_port)
+        await proc.wait_port(port, admin_port)
         async with aiohttp.ClientSession() as s:
             # Serving, writes included, and the DLQ endpoints: still no sqlite.
             async with s.put(f"http://127.0.0.1:{port}/o", data=b"1") as resp:

@@ -21,12 +21,12 @@ def process_yaml(up_url: str, port: int, admin_port: int, extra: str = "", top: 
     ).replace('listen: "127.0.0.1:0"', f'listen: "127.0.0.1:{port}"', 1)
 
 
-async def started(tmp_path, text: str, port: int) -> SidecarProcess:
+async def started(tmp_path, text: str, port: int, admin: int) -> SidecarProcess:
     cfg = tmp_path / "sidecar.yaml"
     cfg.write_text(text)
     proc = SidecarProcess(cfg)
     proc.start()
-    await proc.wait_port(port)
+    await proc.wait_port(port, admin)
     return proc
 
 
@@ -37,7 +37,9 @@ async def test_sigterm_drains_in_flight_requests_then_exits_0(upstream_factory, 
 
     up = await upstream_factory(slow)
     port, admin = free_port(), free_port()
-    proc = await started(tmp_path, process_yaml(up.url, port, admin, top="drain_timeout: 5s"), port)
+    proc = await started(
+        tmp_path, process_yaml(up.url, port, admin, top="drain_timeout: 5s"), port, admin
+    )
     async with aiohttp.ClientSession() as s:
         inflight = asyncio.create_task(s.get(f"http://127.0.0.1:{port}/slow"))
         await asyncio.sleep(0.3)
@@ -73,7 +75,7 @@ async def test_drain_cuts_a_backoff_sleep_short(upstream_factory, tmp_path):
         "    timeout: 60s\n    retry: {retry_after: {max: 30s}}",
         top="drain_timeout: 5s",
     )
-    proc = await started(tmp_path, text, port)
+    proc = await started(tmp_path, text, port, admin)
     async with aiohttp.ClientSession() as s:
         t0 = time.monotonic()
         inflight = asyncio.create_task(s.get(f"http://127.0.0.1:{port}/x"))
@@ -92,7 +94,7 @@ async def test_sighup_reloads(upstream_factory, tmp_path):
     up = await upstream_factory(reply(503))
     port, admin = free_port(), free_port()
     text = process_yaml(up.url, port, admin, "    retry: {attempts: 1}")
-    proc = await started(tmp_path, text, port)
+    proc = await started(tmp_path, text, port, admin)
     try:
         (tmp_path / "sidecar.yaml").write_text(text.replace("attempts: 1", "attempts: 2"))
         assert proc.proc is not None
@@ -114,7 +116,7 @@ async def test_sighup_reloads(upstream_factory, tmp_path):
 async def test_healthcheck_cli(upstream_factory, tmp_path):
     up = await upstream_factory(reply(200))
     port, admin = free_port(), free_port()
-    proc = await started(tmp_path, process_yaml(up.url, port, admin), port)
+    proc = await started(tmp_path, process_yaml(up.url, port, admin), port, admin)
     cfg = str(tmp_path / "sidecar.yaml")
     try:
         ok = await asyncio.to_thread(
@@ -142,7 +144,7 @@ async def test_kill_switch_does_not_survive_a_restart(upstream_factory, tmp_path
     up = await upstream_factory(reply(200))
     port, admin = free_port(), free_port()
     text = process_yaml(up.url, port, admin)
-    proc = await started(tmp_path, text, port)
+    proc = await started(tmp_path, text, port, admin)
     base = f"http://127.0.0.1:{admin}"
     async with aiohttp.ClientSession() as s:
         async with s.put(
@@ -152,7 +154,7 @@ async def test_kill_switch_does_not_survive_a_restart(upstream_factory, tmp_path
         async with s.get(base + "/killswitch") as r:
             assert len((await r.json())["switches"]) == 1
         assert proc.terminate() == 0
-        proc = await started(tmp_path, text, port)
+        proc = await started(tmp_path, text, port, admin)
         try:
             async with s.get(base + "/killswitch") as r:
                 assert (await r.json())["switches"] == []

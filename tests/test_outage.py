@@ -65,7 +65,7 @@ class Stack:
         proc = SidecarProcess(cfg)
         proc.start()
         self.procs.append(proc)
-        await proc.wait_port(port)
+        await proc.wait_port(port, admin)
         return port
 
     async def close(self) -> None:

@@ -44,7 +44,7 @@ async def test_status_and_killswitch_verbs(upstream_factory, tmp_path):
     proc = SidecarProcess(cfg, env={"TEST_ADMIN_TOKEN": TOKEN})
     proc.start()
     try:
-        await proc.wait_port(port)
+        await proc.wait_port(port, admin)
         async with aiohttp.ClientSession() as s:
             for _ in range(4):
                 async with s.get(f"http://127.0.0.1:{port}/x") as r:
