@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import pytest
@@ -10,6 +9,7 @@ import pytest
 from sidecar.admin.auth import AdminStartError
 from sidecar.app import Sidecar
 from sidecar.config.parse import parse_text
+from sidecar.testing import FakeClock
 from tests.conftest import reply, routes_yaml
 
 
@@ -102,15 +102,19 @@ async def test_kill_switch_put_get_delete_and_effect(
 
 
 async def test_kill_switch_expires_by_itself(upstream_factory, sidecar_factory, client):
+    # The sidecar's clock is the test's: the switch is certainly still on for the first
+    # request and certainly expired for the second, however slowly the machine runs.
+    clock = FakeClock()
     up = await upstream_factory(reply(503))
-    sc = await sidecar_factory(routes_yaml(up.url))
+    sc = await sidecar_factory(routes_yaml(up.url), clock=clock)
     async with client.put(
         admin_url(sc) + "/killswitch", json={"scope": "global", "ttl": "300ms", "reason": "short"}
     ) as resp:
         assert resp.status == 200
+    clock.advance(0.299)
     async with client.get(sc.url + "/x") as resp:
         assert resp.headers["x-retry-fate"] == "kill-switch"
-    await asyncio.sleep(0.4)
+    clock.advance(0.002)
     async with client.get(sc.url + "/x") as resp:
         assert resp.headers["x-retry-fate"] == "exhausted"
     async with client.get(admin_url(sc) + "/killswitch") as resp:

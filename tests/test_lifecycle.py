@@ -13,6 +13,7 @@ from aiohttp import web
 
 from tests.conftest import reply, routes_yaml
 from tests.proc import SidecarProcess, free_port
+from tests.wait import until
 
 
 def process_yaml(up_url: str, port: int, admin_port: int, extra: str = "", top: str = "") -> str:
@@ -30,9 +31,17 @@ async def started(tmp_path, text: str, port: int, admin: int) -> SidecarProcess:
     return proc
 
 
+async def readyz(s: aiohttp.ClientSession, admin: int) -> int:
+    async with s.get(f"http://127.0.0.1:{admin}/readyz") as r:
+        return r.status
+
+
 async def test_sigterm_drains_in_flight_requests_then_exits_0(upstream_factory, tmp_path):
+    release = asyncio.Event()
+
     async def slow(request: web.Request) -> web.StreamResponse:
-        await asyncio.sleep(1.0)
+        # In flight until the test has seen the drain begin: no sleep to race against.
+        await release.wait()
         return web.Response(text="finished")
 
     up = await upstream_factory(slow)
@@ -42,13 +51,15 @@ async def test_sigterm_drains_in_flight_requests_then_exits_0(upstream_factory, 
     )
     async with aiohttp.ClientSession() as s:
         inflight = asyncio.create_task(s.get(f"http://127.0.0.1:{port}/slow"))
-        await asyncio.sleep(0.3)
+        await until(lambda: len(up.seen) == 1, "the request to reach the upstream")
         assert proc.proc is not None
         proc.proc.send_signal(signal.SIGTERM)
-        await asyncio.sleep(0.2)
-        # Not ready any more while it drains, but still alive.
-        async with s.get(f"http://127.0.0.1:{admin}/readyz") as r:
-            assert r.status == 503
+        # Not ready any more while it drains, but still alive. The drain marks the process
+        # not ready and closes the proxy listener in one step of the loop (Sidecar.stop).
+        deadline = time.monotonic() + 15.0
+        while (status := await readyz(s, admin)) == 200 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert status == 503
         # No new connections on the proxy port.
         try:
             await asyncio.open_connection("127.0.0.1", port)
@@ -56,6 +67,8 @@ async def test_sigterm_drains_in_flight_requests_then_exits_0(upstream_factory, 
         except OSError:
             refused = True
         assert refused
+        assert not inflight.done()
+        release.set()
         resp = await inflight
         assert resp.status == 200 and await resp.read() == b"finished"
         resp.release()
@@ -79,7 +92,9 @@ async def test_drain_cuts_a_backoff_sleep_short(upstream_factory, tmp_path):
     async with aiohttp.ClientSession() as s:
         t0 = time.monotonic()
         inflight = asyncio.create_task(s.get(f"http://127.0.0.1:{port}/x"))
-        await asyncio.sleep(0.5)  # now sleeping out the 20 s Retry-After
+        # The first attempt has reached the upstream: the request is in flight, and the
+        # sidecar is (or is about to be) sleeping out the 20 s Retry-After.
+        await until(lambda: len(up.seen) == 1, "the first attempt to reach the upstream")
         assert proc.proc is not None
         proc.proc.send_signal(signal.SIGTERM)
         resp = await inflight
@@ -100,7 +115,7 @@ async def test_sighup_reloads(upstream_factory, tmp_path):
         assert proc.proc is not None
         proc.proc.send_signal(signal.SIGHUP)
         async with aiohttp.ClientSession() as s:
-            deadline = time.monotonic() + 2.0
+            deadline = time.monotonic() + 15.0
             seen = None
             while time.monotonic() < deadline:
                 async with s.get(f"http://127.0.0.1:{port}/x") as r:
