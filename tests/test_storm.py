@@ -9,7 +9,9 @@ import time
 import aiohttp
 from aiohttp import web
 
+from sidecar.testing import FakeClock
 from tests.conftest import hang, reply, routes_yaml
+from tests.wait import until
 
 
 async def test_breaker_records_one_event_per_sequence(upstream_factory, sidecar_factory, client):
@@ -38,13 +40,17 @@ async def test_attempt_failures_inside_a_successful_sequence_count_as_success(
 async def test_open_breaker_answers_503_without_calling_upstream_then_probes(
     upstream_factory, sidecar_factory, client
 ):
+    # The sidecar's clock is the test's: the breaker is certainly still open for the fourth
+    # request and certainly past open_for for the probe, however slowly the machine runs.
+    clock = FakeClock()
     up = await upstream_factory(reply(503))
     sc = await sidecar_factory(
         routes_yaml(
             up.url,
             "    retry: {attempts: 2}\n"
             "    breaker: {min_sequences: 3, failure_ratio: 0.5, open_for: 300ms, half_open_probes: 1, ramp: 0s}",
-        )
+        ),
+        clock=clock,
     )
     for _ in range(3):
         async with client.get(sc.url + "/x") as resp:
@@ -60,7 +66,11 @@ async def test_open_breaker_answers_503_without_calling_upstream_then_probes(
     assert len(up.seen) == calls
     # After open_for, one probe goes through; the upstream has recovered, so it closes.
     up.script = [reply(200)]
-    await asyncio.sleep(0.35)
+    clock.advance(0.299)
+    async with client.get(sc.url + "/x") as resp:
+        assert resp.headers["x-retry-fate"] == "breaker-open"
+    assert len(up.seen) == calls
+    clock.advance(0.002)
     async with client.get(sc.url + "/x") as resp:
         assert resp.status == 200
     assert [(t.frm, t.to) for t in sc.recorder.transitions] == [
@@ -92,7 +102,8 @@ async def test_budget_caps_retries_during_a_full_outage(upstream_factory, sideca
             "    budget: {ratio: 0.2, min_per_second: 0, window: 10s}\n"
             "    throttle: {enabled: false}\n"
             "    breaker: {min_sequences: 100000}",
-        )
+        ),
+        clock=FakeClock(),  # all 200 requests inside one 10 s window, however slow the machine
     )
     n = 200
     fates: dict[str, int] = {}
@@ -109,7 +120,13 @@ async def test_budget_caps_retries_during_a_full_outage(upstream_factory, sideca
 
 
 async def test_bulkhead_refuses_past_max_concurrent(upstream_factory, sidecar_factory, client):
-    up = await upstream_factory(hang(2.0))
+    release = asyncio.Event()
+
+    async def held(request: web.Request) -> web.StreamResponse:
+        await release.wait()
+        return web.Response(text="late")
+
+    up = await upstream_factory(held)
     sc = await sidecar_factory(
         routes_yaml(
             up.url,
@@ -123,9 +140,14 @@ async def test_bulkhead_refuses_past_max_concurrent(upstream_factory, sidecar_fa
             return resp.status, resp.headers.get("x-retry-proxy-error")
 
     slow = asyncio.create_task(get())
-    await asyncio.sleep(0.2)
+    bulkhead = sc.sidecar.states.get("main").bulkhead
+    # The first request holds the only slot (at the upstream, which answers when released).
+    await until(lambda: len(up.seen) == 1, "the first request to reach the upstream")
+    assert bulkhead.in_flight == 1
     status, code = await get()
     assert (status, code) == (503, "overloaded")
+    assert len(up.seen) == 1
+    release.set()
     assert (await slow)[0] == 200
     assert sc.sidecar.states.get("main").bulkhead.in_flight == 0
 
@@ -249,8 +271,8 @@ async def test_every_tier_gives_up_by_the_edge_deadline(upstream_factory, sideca
         assert elapsed < 5.0  # without propagation the inner tiers would wait their own 10 s
         [seen] = bottom.seen
         assert 0 < int(seen.header("x-request-timeout-ms") or 0) <= 1000
-        await asyncio.sleep(0.2)
-        for tier in (tier2, tier3):
+        for tier in (tier2, tier3):  # the inner tiers end on their own deadline, just after
+            await until(lambda t=tier: t.recorder.sequences, "the inner tier's sequence to end")
             [seq] = tier.recorder.sequences
             assert seq.duration <= 2.5, (tier, seq)  # the edge deadline (1 s), not their 10 s
     finally:
