@@ -23,6 +23,7 @@ from sidecar.retry.budget import Budget
 from sidecar.upstream.pool import Pool
 from tests.conftest import hang, reply, routes_yaml
 from tests.faults import OK, read_request
+from tests.wait import until
 
 # -- the bulkhead: a waiter cancelled in the same loop turn as a release ------------------------
 
@@ -288,15 +289,18 @@ async def test_aborted_uploads_are_not_upstream_resets(upstream_factory, sidecar
             "    breaker: {min_sequences: 3, failure_ratio: 0.5}\n",
         )
     )
-    for _ in range(5):
+    state = sc.sidecar.states.get("main")
+    for i in range(5):
         _r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
         w.write(b"POST /up HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n" + b"a" * 5000)
         await w.drain()
-        await asyncio.sleep(0.1)
-        w.transport.abort()  # the client leaves half-way through its upload
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.2)
-    state = sc.sidecar.states.get("main")
+        # The sequence is admitted and streaming the upload upstream...
+        await until(lambda: state.bulkhead.in_flight == 1, "the upload to be in flight")
+        w.transport.abort()  # ...when the client leaves half-way through it
+        await until(
+            lambda i=i: len(sc.recorder.sequences) == i + 1 and state.bulkhead.in_flight == 0,
+            "the aborted request to end",
+        )
     assert state.breaker.state is State.CLOSED
     assert state.breaker.counts(sc.sidecar.clock.monotonic()) == (0, 0)
     assert state.bulkhead.in_flight == 0
@@ -312,13 +316,20 @@ async def test_aborted_uploads_are_not_upstream_resets(upstream_factory, sidecar
 async def test_a_client_that_leaves_stops_its_retries(upstream_factory, sidecar_factory):
     up = await upstream_factory(reply(503, headers={"Retry-After": "1"}))
     sc = await sidecar_factory(routes_yaml(up.url, "    retry: {attempts: 5}\n"))
+    loop = asyncio.get_running_loop()
     async with aiohttp.ClientSession() as s:
-        with pytest.raises(asyncio.TimeoutError):
-            async with s.get(sc.url + "/x", timeout=aiohttp.ClientTimeout(total=0.3)):
-                pass
-    await asyncio.sleep(1.5)  # a Retry-After wait would have sent attempt 2 by now
-    assert len(up.seen) == 1
+        leaving = asyncio.create_task(s.get(sc.url + "/x"))
+        await until(lambda: len(up.seen) == 1, "the first attempt to reach the upstream")
+        first_seen = loop.time()
+        leaving.cancel()  # the client leaves during the attempt or the 1 s Retry-After wait
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+    await until(lambda: sc.recorder.sequences, "the sequence to end")
     assert [e.fate for e in sc.recorder.sequences] == ["client-gone"]
+    # Not an event to wait for but one that must not come: attempt 2 would have been sent
+    # 1 s after attempt 1; wait that out with margin before checking it never was.
+    await asyncio.sleep(max(0.0, first_seen + 1.5 - loop.time()))
+    assert len(up.seen) == 1
     state = sc.sidecar.states.get("main")
     assert state.bulkhead.in_flight == 0
     assert state.breaker.counts(sc.sidecar.clock.monotonic()) == (0, 0)  # neutral
@@ -329,15 +340,23 @@ async def test_a_client_that_leaves_stops_its_retries(upstream_factory, sidecar_
 async def test_a_client_that_leaves_mid_attempt_frees_the_upstream_connection(
     upstream_factory, sidecar_factory
 ):
-    up = await upstream_factory(hang(5.0))
-    sc = await sidecar_factory(routes_yaml(up.url))
+    # The upstream and the route's timeouts outlast the wait below by far: a connection kept
+    # busy after the client left cannot be freed by a timeout before the test gives up.
+    up = await upstream_factory(hang(120.0))
+    sc = await sidecar_factory(
+        routes_yaml(up.url, "    timeout: 120s\n    retry: {per_try_timeout: 120s}\n")
+    )
     async with aiohttp.ClientSession() as s:
-        with pytest.raises(asyncio.TimeoutError):
-            async with s.get(sc.url + "/x", timeout=aiohttp.ClientTimeout(total=0.3)):
-                pass
-    await asyncio.sleep(0.2)
-    stats = sc.sidecar.client.stats()
-    assert all(p.total == 0 for p in stats.values()), stats  # aborted, not kept busy
+        leaving = asyncio.create_task(s.get(sc.url + "/x"))
+        await until(lambda: len(up.seen) == 1, "the attempt to reach the upstream")
+        assert [p.total for p in sc.sidecar.client.stats().values()] == [1]
+        leaving.cancel()  # the client leaves mid-attempt
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+    await until(
+        lambda: all(p.total == 0 for p in sc.sidecar.client.stats().values()),
+        "the upstream connection to be aborted, not kept busy",
+    )
     assert sc.sidecar.states.get("main").bulkhead.in_flight == 0
 
 
@@ -345,13 +364,19 @@ async def test_a_client_that_leaves_mid_attempt_frees_the_upstream_connection(
 
 
 async def test_the_bulkhead_wait_is_charged_to_the_deadline(upstream_factory, sidecar_factory):
-    up = await upstream_factory(hang(1.0))
+    release = asyncio.Event()
+
+    async def held(request: web.Request) -> web.StreamResponse:
+        await release.wait()
+        return web.Response(text="late")
+
+    up = await upstream_factory(held)
     sc = await sidecar_factory(
         routes_yaml(
             up.url,
-            "    timeout: 5s\n"
-            "    retry: {attempts: 1, per_try_timeout: 5s}\n"
-            "    bulkhead: {max_concurrent: 1, queue_timeout: 5s}\n",
+            "    timeout: 30s\n"
+            "    retry: {attempts: 1, per_try_timeout: 30s}\n"
+            "    bulkhead: {max_concurrent: 1, queue_timeout: 30s}\n",
         )
     )
     async with aiohttp.ClientSession() as s:
@@ -360,11 +385,12 @@ async def test_the_bulkhead_wait_is_charged_to_the_deadline(upstream_factory, si
             async with s.get(sc.url + "/x", headers=headers) as r:
                 return r.status, r.headers["x-retry-fate"]
 
-        first = asyncio.create_task(get({}))  # holds the only slot for 1 s
-        await asyncio.sleep(0.05)
-        # 200 ms of deadline left, a 5 s queue timeout: the deadline ends the wait.
+        first = asyncio.create_task(get({}))  # holds the only slot until released
+        await until(lambda: len(up.seen) == 1, "the first request to reach the upstream")
+        # 200 ms of deadline left, a 30 s queue timeout: the deadline ends the wait.
         second = await get({"x-request-timeout-ms": "200"})
         assert second == (504, "deadline")
+        release.set()
         assert (await first) == (200, "success")
     assert len(up.seen) == 1  # the second request never reached the upstream
     state = sc.sidecar.states.get("main")
@@ -395,12 +421,10 @@ async def test_a_client_that_stops_reading_is_cut_and_gives_everything_back(
     sock.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
     try:
         state = sc.sidecar.states.get("main")
-        for _ in range(100):  # the relay starts, fills the socket, then is cut
-            await asyncio.sleep(0.05)
-            if state.bulkhead.in_flight == 0 and len(up.seen) == 1:
-                break
-        await asyncio.sleep(0.5)
-        assert state.bulkhead.in_flight == 0
+        await until(  # the relay starts, fills the socket, then is cut
+            lambda: state.bulkhead.in_flight == 0 and len(up.seen) == 1,
+            "the relay to a client that stopped reading to be cut",
+        )
         stats = sc.sidecar.client.stats()
         assert all(p.total == p.idle for p in stats.values()), stats
         assert 'reason="send-timeout"} 1' in sc.sidecar.metrics.render()
