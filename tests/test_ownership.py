@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 
 import aiohttp
 import pytest
@@ -290,6 +291,10 @@ async def test_aborted_uploads_are_not_upstream_resets(upstream_factory, sidecar
         )
     )
     state = sc.sidecar.states.get("main")
+
+    def ended(n: int) -> Callable[[], bool]:
+        return lambda: len(sc.recorder.sequences) == n and state.bulkhead.in_flight == 0
+
     for i in range(5):
         _r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
         w.write(b"POST /up HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n" + b"a" * 5000)
@@ -297,10 +302,7 @@ async def test_aborted_uploads_are_not_upstream_resets(upstream_factory, sidecar
         # The sequence is admitted and streaming the upload upstream...
         await until(lambda: state.bulkhead.in_flight == 1, "the upload to be in flight")
         w.transport.abort()  # ...when the client leaves half-way through it
-        await until(
-            lambda i=i: len(sc.recorder.sequences) == i + 1 and state.bulkhead.in_flight == 0,
-            "the aborted request to end",
-        )
+        await until(ended(i + 1), "the aborted request to end")
     assert state.breaker.state is State.CLOSED
     assert state.breaker.counts(sc.sidecar.clock.monotonic()) == (0, 0)
     assert state.bulkhead.in_flight == 0

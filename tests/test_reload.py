@@ -13,8 +13,12 @@ import aiohttp
 from aiohttp import web
 
 from tests.conftest import hang, reply, routes_yaml
+from tests.wait import BOUND, until
 
-RELOAD_WITHIN = 2.0
+# A bound on the wait for a reload, not a latency promise: the watcher polls every 0.5 s and
+# compares hashes every 5 s (an in-place edit in the same mtime tick as its last look is
+# only seen then), and CI runs on a loaded machine.
+RELOAD_WITHIN = BOUND
 
 
 async def attempts_seen(client, url: str) -> int:
@@ -95,9 +99,7 @@ async def test_invalid_edit_changes_nothing_that_serves(
     version = sc.sidecar.store.current.sha256
     cfg.write_text(policy(up.url, 99))
     admin = f"http://127.0.0.1:{sc.sidecar.admin_port}"
-    started = time.monotonic()
-    while sc.sidecar.store.last_error is None and time.monotonic() - started < RELOAD_WITHIN:
-        await asyncio.sleep(0.05)
+    await until(lambda: sc.sidecar.store.last_error is not None, "the bad edit to be seen")
     async with client.get(admin + "/config") as resp:
         body = await resp.json()
     assert body["version"] == version
@@ -239,10 +241,7 @@ async def test_a_reload_that_enables_the_dlq_opens_it(
     cfg.write_text(enabled)
     result = await sc.sidecar.reload("test")
     assert result is not None and result.restart_required == []
-    for _ in range(100):
-        if sc.sidecar.dlq is not None:
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: sc.sidecar.dlq is not None, "the DLQ to open")
     async with client.put(sc.url + "/o", data=b"1") as resp:
         assert resp.headers["x-retry-dlq"] == "stored"
     async with client.get(admin + "/dlq") as resp:
@@ -270,6 +269,20 @@ async def test_shutting_down_while_a_reload_opens_the_dlq_leaves_no_writer(
     cfg.write_text(disabled)
     sc = Sidecar(parse_text(disabled, str(cfg)), config_path=str(cfg))
     sc.dlq_busy_timeout_ms = 20_000
+    # When the opening thread starts and when it has returned what it opened: the moments to
+    # wait for, rather than guessed sleeps.
+    entered: list[bool] = []
+    returned: list[bool] = []
+    real_open = sc._open_dlq
+
+    def open_and_tell(config):
+        entered.append(True)
+        try:
+            return real_open(config)
+        finally:
+            returned.append(True)
+
+    sc._open_dlq = open_and_tell  # type: ignore[method-assign]
     await sc.start()
     blocker = sqlite3.connect(db, isolation_level=None)  # the file appears after the start
     blocker.execute("PRAGMA journal_mode=WAL")
@@ -278,17 +291,17 @@ async def test_shutting_down_while_a_reload_opens_the_dlq_leaves_no_writer(
         cfg.write_text(enabled)
         await sc.reload("test")
         assert "dlq-open" in sc.task_names()
-        await asyncio.sleep(0.3)  # the thread is now waiting on the lock
+        await until(lambda: entered, "the opening thread to start")  # it waits on the lock
         await sc.stop()
+        assert not returned
     finally:
         blocker.execute("ROLLBACK")
         blocker.close()
-    for _ in range(100):  # the thread finishes opening; what it opened is closed again
-        if not any(t.name == "dlq-writer" for t in threading.enumerate()):
-            break
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.3)
-    assert not any(t.name == "dlq-writer" for t in threading.enumerate())
+    # The thread finishes opening (starting a writer); what it opened is closed again.
+    await until(
+        lambda: returned and not any(t.name == "dlq-writer" for t in threading.enumerate()),
+        "the DLQ opened after the shutdown to be closed again",
+    )
     assert sc.dlq is None
 
 
@@ -358,17 +371,20 @@ async def test_a_good_file_written_during_a_failed_reload_is_loaded(
 async def test_in_flight_requests_keep_their_snapshot(
     upstream_factory, sidecar_factory, client, tmp_path
 ):
-    async def slow_503(request: web.Request) -> web.StreamResponse:
-        await asyncio.sleep(0.5)
+    release = asyncio.Event()
+
+    async def held_503(request: web.Request) -> web.StreamResponse:
+        await release.wait()
         return web.Response(status=503)
 
-    up = await upstream_factory(slow_503, reply(503))
+    up = await upstream_factory(held_503, reply(503))
     cfg = tmp_path / "sidecar.yaml"
     sc = await start_with_file(sidecar_factory, cfg, policy(up.url, 3))
     task = asyncio.create_task(attempts_seen(client, sc.url))
-    await asyncio.sleep(0.1)
+    await until(lambda: len(up.seen) == 1, "the first attempt to reach the upstream")
     cfg.write_text(policy(up.url, 1))
     assert (await sc.sidecar.reload("test")).changed  # type: ignore[union-attr]
+    release.set()
     assert await task == 3  # started under attempts: 3
     assert await attempts_seen(client, sc.url) == 1
 

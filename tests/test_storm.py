@@ -271,8 +271,11 @@ async def test_every_tier_gives_up_by_the_edge_deadline(upstream_factory, sideca
         assert elapsed < 5.0  # without propagation the inner tiers would wait their own 10 s
         [seen] = bottom.seen
         assert 0 < int(seen.header("x-request-timeout-ms") or 0) <= 1000
-        for tier in (tier2, tier3):  # the inner tiers end on their own deadline, just after
-            await until(lambda t=tier: t.recorder.sequences, "the inner tier's sequence to end")
+        await until(  # the inner tiers end on their own deadline, just after the edge
+            lambda: tier2.recorder.sequences and tier3.recorder.sequences,
+            "the inner tiers' sequences to end",
+        )
+        for tier in (tier2, tier3):
             [seq] = tier.recorder.sequences
             assert seq.duration <= 2.5, (tier, seq)  # the edge deadline (1 s), not their 10 s
     finally:
