@@ -13,6 +13,7 @@ from yarl import URL
 
 from sidecar.dlq.store import DlqStore
 from tests.conftest import reply, routes_yaml
+from tests.wait import until
 
 WRITE = {
     "Idempotency-Key": "order-77",
@@ -320,8 +321,10 @@ async def test_batch_replay_dry_run_list_and_purge(
 async def test_one_record_is_never_replayed_twice_at_once(
     upstream_factory, sidecar_factory, client, tmp_path
 ):
-    async def slow_ok(request: web.Request) -> web.StreamResponse:
-        await asyncio.sleep(0.5)
+    release = asyncio.Event()
+
+    async def held_ok(request: web.Request) -> web.StreamResponse:
+        await release.wait()
         return web.Response(status=200)
 
     up = await upstream_factory(reply(503))
@@ -329,11 +332,15 @@ async def test_one_record_is_never_replayed_twice_at_once(
     sc = await sidecar_factory(dlq_yaml(up.url, db))
     async with client.put(sc.url + "/o", data=b"1") as resp:
         rid = resp.headers["x-retry-dlq-id"]
-    up.script = [slow_ok]
+    up.script = [held_ok]
+    calls = len(up.seen)
     first = asyncio.create_task(client.post(admin(sc) + f"/dlq/{rid}/replay"))
-    await asyncio.sleep(0.1)
+    # The first replay has claimed the record and is at the upstream, held there.
+    await until(lambda: len(up.seen) == calls + 1, "the first replay to reach the upstream")
     async with client.post(admin(sc) + f"/dlq/{rid}/replay") as resp:
         assert resp.status == 409
+    assert len(up.seen) == calls + 1
+    release.set()
     r1 = await first
     assert (await r1.json())["status"] == "delivered"
     r1.release()
@@ -404,10 +411,7 @@ async def test_redrive_replays_pending_records_when_the_breaker_is_closed(
     async with client.put(sc.url + "/o", data=b"r") as resp:
         rid = resp.headers["x-retry-dlq-id"]
     up.script = [reply(200)]
-    for _ in range(40):
-        await asyncio.sleep(0.1)
-        if rows(db)[0][1] == "delivered":
-            break
+    await until(lambda: rows(db)[0][1] == "delivered", "the redrive to deliver the record")
     assert rows(db)[0][:2] == (rid, "delivered")
 
 
