@@ -13,6 +13,7 @@ from sidecar.upstream.pool import PoolSettings
 from tests import faults
 from tests.conftest import routes_yaml
 from tests.rawhttp import raw_server
+from tests.wait import until
 
 POLICY = "    retry: {attempts: 2, per_try_timeout: 300ms}\n    breaker: {min_sequences: 100000}"
 
@@ -107,21 +108,26 @@ async def test_connection_refused_is_a_connect_failure(sidecar_factory, client, 
 
 
 async def test_pool_exhausted_gives_a_distinct_503(upstream_factory, sidecar_factory, client):
-    async def slow(request: web.Request) -> web.StreamResponse:
-        await asyncio.sleep(1.0)
+    release = asyncio.Event()
+
+    async def held(request: web.Request) -> web.StreamResponse:
+        await release.wait()
         return web.Response(text="slow")
 
-    up = await upstream_factory(slow)
+    up = await upstream_factory(held)
     sc = await sidecar_factory(
-        routes_yaml(up.url, "    retry: {per_try_timeout: 5s}"),
+        routes_yaml(up.url, "    retry: {per_try_timeout: 30s}"),
         pool=PoolSettings(max_connections=1, wait_timeout=0.1),
     )
     first = asyncio.create_task(client.get(sc.url + "/x"))
-    await asyncio.sleep(0.2)
+    # The first request holds the only connection, at the upstream until released.
+    await until(lambda: len(up.seen) == 1, "the first request to reach the upstream")
     async with client.get(sc.url + "/x") as resp:
         assert resp.status == 503
         assert resp.headers["x-retry-proxy-error"] == "pool-exhausted"
         assert resp.headers["x-retry-fate"] == "overloaded"
+    assert len(up.seen) == 1
+    release.set()
     r1 = await first
     assert r1.status == 200
     r1.release()
