@@ -15,6 +15,7 @@ from sidecar.dlq.store import DlqStore
 from tests.conftest import reply
 from tests.rawhttp import raw_request
 from tests.test_dlq import dlq_yaml, rows
+from tests.wait import until
 
 
 def record(db: Path, rid: str) -> dict[str, object]:
@@ -239,7 +240,6 @@ async def test_metrics_scrapes_do_not_query_sqlite_on_the_loop(
 async def test_gauges_follow_other_processes_writing_the_same_file(tmp_path, monkeypatch):
     """The writer thread recounts the file every REFRESH_EVERY seconds, so what another
     process sharing the file stored shows up in this one's gauges."""
-    import asyncio
 
     from sidecar.dlq import store as store_mod
     from sidecar.dlq.record import NewRecord
@@ -253,11 +253,9 @@ async def test_gauges_follow_other_processes_writing_the_same_file(tmp_path, mon
         rec = NewRecord("r", "PUT", "/x", [], b"b", "exhausted", 1, 503, None, None, 1000.0)
         await theirs.add(rec)
         await theirs.add(rec)
-        for _ in range(50):
-            if mine.counts.by_status.get("pending") == 2:
-                break
-            await asyncio.sleep(0.05)
-        assert mine.counts.by_status.get("pending") == 2
+        await until(
+            lambda: mine.counts.by_status.get("pending") == 2, "the other process's records"
+        )
         assert mine.counts.oldest_pending == 1000.0
     finally:
         mine.close()
