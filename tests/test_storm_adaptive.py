@@ -9,6 +9,7 @@ from aiohttp import web
 
 from sidecar.core import Verdict
 from sidecar.retry.breaker import State
+from sidecar.testing import FakeClock
 from tests.conftest import hang, reply, routes_yaml
 
 
@@ -48,8 +49,11 @@ async def test_sequences_the_budget_cut_short_are_not_evidence_of_down(
 async def test_in_a_full_outage_the_throttle_stops_retries_and_the_breaker_opens(
     upstream_factory, sidecar_factory, client
 ):
+    # On the test's (stopped) clock: however slowly the 120 requests run, the breaker's first
+    # open period (1 s) cannot run out among them, which would reopen it for 2 s.
+    clock = FakeClock()
     up = await upstream_factory(reply(503))
-    sc = await sidecar_factory(routes_yaml(up.url))
+    sc = await sidecar_factory(routes_yaml(up.url), clock=clock)
     fates: dict[str, int] = {}
     n = 120
     for _ in range(n):
@@ -63,7 +67,7 @@ async def test_in_a_full_outage_the_throttle_stops_retries_and_the_breaker_opens
     assert fates.get("throttled", 0) > 0
     assert len(up.seen) <= 1.3 * n, (len(up.seen), fates)
     st = sc.sidecar.states.get("main")
-    assert st.throttle.down(time.monotonic())
+    assert st.throttle.down(clock.monotonic())
     assert fates.get("breaker-open", 0) > 0
     assert [t.to for t in sc.recorder.transitions][:1] == ["open"]
     assert st.breaker.open_period == 1.0
