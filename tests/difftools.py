@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import hashlib
+import http.client
 import json
 import os
 import shutil
@@ -423,6 +424,32 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: floa
     raise TimeoutError(f"{what} did not listen on {port}")
 
 
+def wait_http(
+    port: int, path: str, proc: subprocess.Popen[bytes], what: str, timeout: float = 30
+) -> None:
+    """Wait until ``GET path`` is answered 200. A listening port is not readiness: gunicorn's
+    master and nginx's master listen before a worker serves (gunicorn's worker has yet to
+    import the app), and a request then waits in the backlog for as long as that takes."""
+    wait_port(port, proc, what, timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {err[-2000:]}")
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        try:
+            conn.request("GET", path)
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        finally:
+            conn.close()
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what} did not answer GET {path} on {port}")
+        time.sleep(0.05)
+
+
 def stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.terminate()
@@ -455,7 +482,7 @@ def start_gunicorn(port: int) -> subprocess.Popen[bytes]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
-    wait_port(port, proc, "gunicorn")
+    wait_http(port, "/status/200", proc, "gunicorn")
     return proc
 
 
@@ -513,7 +540,7 @@ def start_nginx(port: int, root: Path) -> subprocess.Popen[bytes]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
-    wait_port(port, proc, "nginx")
+    wait_http(port, "/ngx/files/small.txt", proc, "nginx")
     return proc
 
 
