@@ -12,18 +12,27 @@ import sys
 import time
 from pathlib import Path
 
+# Ports free_port has handed out in this process. A port is only bound later, by whoever it
+# is for, so the check that it is free says nothing about a port handed out a moment ago and
+# not bound yet: ``port, admin = free_port(), free_port()`` could get the same port twice
+# (1 in 12000 a pair; a suite has dozens of pairs), and the second listener fail to start.
+_handed_out: set[int] = set()
+
 
 def free_port() -> int:
     """A free port below the ephemeral range: polling connect() to an ephemeral-range port
     that nothing listens on yet can self-connect (source port == destination port) and then
-    hold the very port the sidecar is about to bind."""
+    hold the very port the sidecar is about to bind. Never the same port twice in one run."""
     for _ in range(200):
         port = random.randrange(20000, 32000)
+        if port in _handed_out:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _handed_out.add(port)
             return port
     raise RuntimeError("no free port found")
 

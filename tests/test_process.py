@@ -84,3 +84,16 @@ def test_demo_shows_retries_turning_failures_into_successes():
         if path != "/reset":
             assert via > direct, (path, cols)
     assert "retries" in res.stdout
+
+
+def test_free_port_never_hands_out_the_same_port_twice(monkeypatch):
+    """The ports of one test are all picked before any is bound (``port, admin = free_port(),
+    free_port()``): the second pick must not be the first one again, which is free too."""
+    import random
+
+    from tests import proc
+
+    picks = iter([24001, 24001, 24002])
+    monkeypatch.setattr(random, "randrange", lambda lo, hi: next(picks))
+    monkeypatch.setattr(proc, "_handed_out", set())
+    assert (proc.free_port(), proc.free_port()) == (24001, 24002)
