@@ -26,6 +26,7 @@ from opentelemetry.trace import SpanKind
 
 from sidecar.config.model import UpstreamPool
 from sidecar.core import Verdict
+from sidecar.proxy.respond import ProxyResponse
 from sidecar.retry.breaker import Admitted, State
 from sidecar.retry.budget import Budget
 from sidecar.telemetry.tracing import Tracing
@@ -275,6 +276,39 @@ async def test_a_client_leaving_while_a_final_503_is_relayed_still_counts_the_fa
             await asyncio.sleep(0.02)
     assert state.bulkhead.in_flight == 0
     assert state.breaker.state is State.OPEN
+
+
+async def test_a_client_gone_just_before_a_whole_answer_is_written_is_client_gone(
+    upstream_factory, sidecar_factory, caplog, monkeypatch
+):
+    """The upstream answered (small: sent in one write) and the client's close arrived in the
+    same loop turn, before aiohttp cancelled the handler: the write finds the transport
+    closing. That was logged as an internal error and counted under fate ``exhausted`` with a
+    502; it is a client that left (499, ``client-gone``), and the upstream's success stands."""
+    up = await upstream_factory(reply(200, b"answer"))
+    sc = await sidecar_factory(routes_yaml(up.url))
+    real = ProxyResponse.send_whole
+
+    def close_first(self: ProxyResponse, request: web.BaseRequest, body: bytes) -> None:
+        assert request.transport is not None
+        request.transport.close()  # the client's close, delivered before this write
+        real(self, request, body)
+
+    monkeypatch.setattr(ProxyResponse, "send_whole", close_first)
+    r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+    w.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert await asyncio.wait_for(r.read(), 5) == b""  # closed, nothing written
+    w.close()
+    for _ in range(50):
+        if sc.recorder.sequences:
+            break
+        await asyncio.sleep(0.02)
+    assert [(e.fate, e.status) for e in sc.recorder.sequences] == [("client-gone", 499)]
+    assert "internal error" not in caplog.text
+    state = sc.sidecar.states.get("main")
+    assert state.breaker.counts(sc.sidecar.clock.monotonic()) == (1, 0)  # one success
+    assert state.bulkhead.in_flight == 0
+    assert all(p.total == p.idle for p in sc.sidecar.client.stats().values())
 
 
 def test_a_probe_from_an_earlier_half_open_period_has_no_say_in_this_one():

@@ -419,7 +419,15 @@ class ProxyHandler:
             # The whole body is already here (the common small response): one write.
             body = up.take_body() if up.has_body else b""
             up.release()
-            resp.send_whole(request, body)
+            try:
+                resp.send_whole(request, body)
+            except ConnectionError:
+                # The client left after the answer came and before it went out (its close
+                # arrived, the handler's cancellation not yet): nobody got the answer, so it
+                # counts as client-gone (nginx's 499), not as an internal error. The sequence's
+                # own verdict stands (Sequence.__aexit__).
+                self._gone(request, route, start, span)
+                return resp
             return self._finish(
                 request, route, start, resp, result.fate, result.attempts, None, span
             )
