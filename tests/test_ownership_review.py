@@ -14,9 +14,11 @@ import gc
 import os
 import re
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -25,6 +27,8 @@ from opentelemetry.trace import SpanKind
 
 from sidecar.config.model import UpstreamPool
 from sidecar.core import Verdict
+from sidecar.proxy.handler import FULL_RESPONSE_MAX
+from sidecar.proxy.respond import ProxyResponse
 from sidecar.retry.breaker import Admitted, State
 from sidecar.retry.budget import Budget
 from sidecar.telemetry.tracing import Tracing
@@ -276,6 +280,50 @@ async def test_a_client_leaving_while_a_final_503_is_relayed_still_counts_the_fa
     assert state.breaker.state is State.OPEN
 
 
+@pytest.mark.parametrize(
+    ("size", "method"),
+    [(6, "send_whole"), (FULL_RESPONSE_MAX + 1, "prepare")],
+    ids=["whole-in-one-write", "streamed"],
+)
+async def test_a_client_gone_just_before_its_answer_is_written_is_client_gone(
+    upstream_factory, sidecar_factory, caplog, monkeypatch, size: int, method: str
+):
+    """The upstream answered and the client's close arrived in the same loop turn, before
+    aiohttp cancelled the handler: the write finds the transport closing. In one write (a small
+    answer) that was logged as an internal error and counted under fate ``exhausted`` with a
+    502; streamed, it was counted as the upstream's success. Either way it is a client that
+    left (499, ``client-gone``), as when the cancellation comes first, and the upstream's
+    success stands for the breaker."""
+    up = await upstream_factory(reply(200, b"a" * size))
+    sc = await sidecar_factory(routes_yaml(up.url))
+    real = getattr(ProxyResponse, method)
+
+    def close_first(self: ProxyResponse, request: web.BaseRequest, *rest: Any) -> Any:
+        assert request.transport is not None
+        request.transport.close()  # the client's close, delivered before this write
+        return real(self, request, *rest)
+
+    monkeypatch.setattr(ProxyResponse, method, close_first)
+    r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+    w.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert await asyncio.wait_for(r.read(), 5) == b""  # closed, nothing written
+    w.close()
+    for _ in range(50):
+        if sc.recorder.sequences:
+            break
+        await asyncio.sleep(0.02)
+    assert [(e.fate, e.status) for e in sc.recorder.sequences] == [("client-gone", 499)]
+    assert "internal error" not in caplog.text
+    state = sc.sidecar.states.get("main")
+    assert state.breaker.counts(sc.sidecar.clock.monotonic()) == (1, 0)  # one success
+    assert state.bulkhead.in_flight == 0
+    for _ in range(50):  # a discarded upstream connection is closed, its slot freed
+        if all(p.total == p.idle for p in sc.sidecar.client.stats().values()):
+            break
+        await asyncio.sleep(0.02)
+    assert all(p.total == p.idle for p in sc.sidecar.client.stats().values())
+
+
 def test_a_probe_from_an_earlier_half_open_period_has_no_say_in_this_one():
     """A probe admitted in one half-open period may still be in flight when the breaker has
     reopened and turned half-open again: its late verdict must not count toward deciding the
@@ -335,6 +383,28 @@ async def test_body_bytes_after_an_early_answer_do_not_arm_the_head_timeout(
 # -- the pool: the hand-off to a woken waiter -----------------------------------------------------
 
 
+async def serve_ok(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    """An upstream that answers every request on a connection with 200 "ok"."""
+    try:
+        while True:
+            await read_request(r)
+            w.write(OK)
+            await w.drain()
+    except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+        pass
+
+
+async def use_ok(c: Connection) -> None:
+    """One whole exchange on a pooled connection, which ends clean and reusable."""
+    c.begin(False)
+    c.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    c.request_sent()
+    await c.wait_head(1.0)
+    assert await c.read_chunk(1.0) == b"ok"
+    assert await c.read_chunk(1.0) == b""
+    assert c.reusable()
+
+
 async def test_a_woken_pool_waiter_is_not_overtaken_by_newcomers():
     """``Pool.release`` puts the connection in ``_idle`` and wakes the head waiter, but
     ``acquire`` takes an idle connection without looking at the queue: a caller that runs
@@ -345,22 +415,7 @@ async def test_a_woken_pool_waiter_is_not_overtaken_by_newcomers():
     served. asyncio.Semaphore refuses newcomers while waiters queue; the pool should hand the
     released connection to the woken waiter itself (or refuse barging while ``_waiters``)."""
 
-    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                await read_request(r)
-                w.write(OK)
-                await w.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
-            pass
-
-    async def use(c: Connection) -> None:
-        c.begin(False)
-        c.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        await c.wait_head(1.0)
-        assert await c.read_chunk(1.0) == b"ok"
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    server = await asyncio.start_server(serve_ok, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     pool = Pool(
         asyncio.get_running_loop(),
@@ -370,17 +425,64 @@ async def test_a_woken_pool_waiter_is_not_overtaken_by_newcomers():
     )
     try:
         conn = await pool.acquire(1.0)
-        await use(conn)
+        await use_ok(conn)
         waiter = asyncio.create_task(pool.acquire(5.0))
         await asyncio.sleep(0.01)  # queued
         newcomer = asyncio.create_task(pool.acquire(5.0))  # ready in the release's turn
         pool.release(conn)
         got = await waiter  # the released connection went to the head of the queue
         assert not newcomer.done()  # the newcomer queues behind it
-        await use(got)
+        await use_ok(got)
         pool.release(got)
         conn = await newcomer  # and is served next
-        await use(conn)
+        await use_ok(conn)
+    finally:
+        pool.release(conn)
+        pool.close()
+        server.close()
+        await server.wait_closed()
+
+
+def _stray_bytes(c: Connection) -> None:
+    c.data_received(b"HTTP/1.1 200 OK\r\n\r\n")  # bytes nobody asked for
+
+
+def _peer_closed(c: Connection) -> None:
+    assert c.transport is not None
+    if not c.eof_received():  # what the loop does on the upstream's FIN
+        c.transport.close()
+
+
+@pytest.mark.parametrize("goes_bad", [_stray_bytes, _peer_closed], ids=["stray-bytes", "peer-fin"])
+async def test_a_connection_that_goes_bad_before_its_waiter_runs_is_replaced(
+    goes_bad: Callable[[Connection], None],
+):
+    """``release`` hands a clean connection to the head waiter, which runs a loop turn later.
+    In between, the loop may deliver the upstream's I/O first (uvloop polls before it runs the
+    ready queue): stray bytes make the connection must-close, a FIN closes its transport.
+    Without a second look the waiter got it anyway: ``begin`` raised ``IllegalTransition`` (an
+    internal error for the client) or the request went into a closing transport. The waiter
+    now drops it and connects in its slot, as ``acquire`` does with a stale idle connection."""
+    server = await asyncio.start_server(serve_ok, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = Pool(
+        asyncio.get_running_loop(),
+        "127.0.0.1",
+        port,
+        UpstreamPool(max_connections=1, wait_timeout=5.0, connect_timeout=1.0, idle_timeout=4.0),
+    )
+    conn = await pool.acquire(1.0)
+    try:
+        await use_ok(conn)
+        waiter = asyncio.create_task(pool.acquire(5.0))
+        await asyncio.sleep(0.01)  # queued
+        pool.release(conn)  # handed to the waiter, which has not run yet
+        goes_bad(conn)  # the loop delivers the upstream's I/O before the waiter's turn
+        got = await waiter
+        assert got is not conn and not conn.usable()
+        await use_ok(got)  # a fresh connection, in the same slot
+        assert pool.stats().total == 1
+        conn = got
     finally:
         pool.release(conn)
         pool.close()

@@ -274,17 +274,21 @@ async def test_a_slow_dlq_read_never_blocks_the_proxy_and_a_dropped_page_leaks_n
     assert not store._read_lock.locked()
 
 
-async def test_the_sampler_task_is_named_and_cancelled_on_stop(upstream_factory):
+async def test_every_background_task_is_named_listed_and_cancelled_on_stop(upstream_factory):
+    """What /stats lists as background_tasks: each task the sidecar starts is named, listed,
+    and cancelled (not left running, not merely finished) when it stops."""
     from sidecar.app import Sidecar
     from sidecar.config.parse import parse_text
 
     up = await upstream_factory(reply(200))
     sc = Sidecar(parse_text(routes_yaml(up.url)))
     await sc.start()
-    task = next(t for t in asyncio.all_tasks() if t.get_name() == "status-rates")
-    assert "status-rates" in sc.task_names()
+    names = {"status-rates", "heap-trim", "dns-refresh"}
+    assert set(sc.task_names()) == names
+    tasks = [t for t in asyncio.all_tasks() if t.get_name() in names]
+    assert len(tasks) == len(names)
     await sc.stop()
-    assert task.cancelled() and sc.task_names() == []
+    assert all(t.cancelled() for t in tasks) and sc.task_names() == []
 
 
 # -- the page ---------------------------------------------------------------------------------

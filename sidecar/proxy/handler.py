@@ -419,12 +419,21 @@ class ProxyHandler:
             # The whole body is already here (the common small response): one write.
             body = up.take_body() if up.has_body else b""
             up.release()
-            resp.send_whole(request, body)
+            try:
+                resp.send_whole(request, body)
+            except ConnectionError:
+                # The client left after the answer came and before it went out (its close
+                # arrived, the handler's cancellation not yet): counted client-gone (nginx's
+                # 499), as when the cancellation comes first, not as an internal error. The
+                # sequence's own verdict stands (Sequence.__aexit__).
+                self._gone(request, route, start, span)
+                return resp
             return self._finish(
                 request, route, start, resp, result.fate, result.attempts, None, span
             )
         idle = route.stream_idle_timeout
         broken: UpstreamError | None = None
+        gone = False
         try:
             await resp.prepare(request)
             if up.has_body:
@@ -443,7 +452,8 @@ class ProxyHandler:
             broken = exc
             _cut(request, resp)
         except (ConnectionError, OSError):
-            up.discard()  # the client went away
+            up.discard()  # the client went away (its close came before the cancellation)
+            gone = True
         except BaseException:
             up.discard()
             raise
@@ -455,6 +465,9 @@ class ProxyHandler:
             return self._finish(
                 request, route, start, resp, BODY_BROKEN, result.attempts, broken.code, span
             )
+        if gone:
+            self._gone(request, route, start, span)
+            return resp
         return self._finish(request, route, start, resp, result.fate, result.attempts, None, span)
 
     def _upstream_warning(self, route: Route, message: str) -> None:

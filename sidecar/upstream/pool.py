@@ -36,7 +36,8 @@ class Pool:
     ``acquire`` until ``release``), or a queued caller's grant. Queued callers are served first
     come, first served: a released connection or a freed slot is handed to the head of the
     queue directly, never left for a newcomer to take; a caller cancelled after it was handed
-    one gives it back (to the next in the queue, or the idle list)."""
+    one gives it back (to the next in the queue, or the idle list); a caller handed a
+    connection that went bad before it ran closes it and connects in its slot."""
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, host: str, port: int, settings: PoolSettings
@@ -71,7 +72,12 @@ class Pool:
         deadline = self._loop.time() + connect_timeout
         grant = await self._wait(min(self.settings.wait_timeout, connect_timeout))
         if grant is not None:
-            return grant
+            if grant.usable():
+                return grant
+            # It went bad between the hand-off and this caller's turn (the loop delivered
+            # stray bytes or the upstream's FIN first): drop it and connect in its slot, as
+            # _take_idle does with a stale idle connection.
+            grant.close()
         return await self._connect_reserved(deadline - self._loop.time())
 
     def _take_idle(self) -> Connection | None:
