@@ -1,0 +1,177 @@
+"""The paths that end early, third review: a client whose close is seen by a write before
+aiohttp cancels the handler (uvloop marks the transport closing at once and calls
+``connection_lost`` -- which cancels the handler -- a loop turn later), at each write the
+handler makes; and the other early exits read and tried.
+
+The client's close is put just before a write by a patch on an interpreted class (aiohttp's
+``StreamWriter``, the sidecar's ``ProxyResponse``): the race itself cannot be timed from a test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.http_writer import StreamWriter
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from sidecar.proxy.respond import ProxyResponse
+from sidecar.telemetry.tracing import Tracing
+from tests.conftest import Running, reply, routes_yaml
+from tests.rawhttp import raw_server, read_head
+
+
+def _memory_tracing() -> tuple[Tracing, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return Tracing(provider), exporter
+
+
+def _close_before_writing(monkeypatch: pytest.MonkeyPatch, starting: bytes) -> None:
+    """The client's close arrives just before the handler writes bytes starting with
+    ``starting`` through aiohttp's writer (a 100 Continue, a relayed 1xx)."""
+    real = StreamWriter.write
+
+    async def write(self: StreamWriter, chunk: Any, *args: Any, **kwargs: Any) -> None:
+        if bytes(chunk).startswith(starting) and self.transport is not None:
+            self.transport.close()
+        await real(self, chunk, *args, **kwargs)
+
+    monkeypatch.setattr(StreamWriter, "write", write)
+
+
+async def _ended(sc: Running, n: int = 1) -> None:
+    """Until ``n`` sequences were counted (bounded; not a time threshold)."""
+    for _ in range(100):
+        if len(sc.recorder.sequences) >= n:
+            return
+        await asyncio.sleep(0.02)
+
+
+def _nothing_kept(sc: Running) -> None:
+    assert sc.sidecar.states.get("main").bulkhead.in_flight == 0
+    assert all(p.total == p.idle for p in sc.sidecar.client.stats().values())
+
+
+# == defects ======================================================================================
+
+
+async def test_a_client_gone_before_a_relayed_1xx_is_written_is_client_gone(
+    sidecar_factory, caplog, monkeypatch
+):
+    """The upstream sent 103 Early Hints and its final 200; the client's close arrived just
+    before the 103 was relayed. The write raised ConnectionResetError outside the relay's
+    handling: logged as an internal error and counted under fate ``exhausted`` with a 502. It
+    is a client that left (499, ``client-gone``); the upstream's success stands."""
+
+    async def upstream(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            await read_head(r)
+            w.write(
+                b"HTTP/1.1 103 Early Hints\r\nLink: </s.css>; rel=preload\r\n\r\n"
+                b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+            )
+            await w.drain()
+
+    _close_before_writing(monkeypatch, b"HTTP/1.1 103")
+    async with raw_server(upstream) as port:
+        sc = await sidecar_factory(routes_yaml(f"http://127.0.0.1:{port}"))
+        r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+        w.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert await asyncio.wait_for(r.read(), 5) == b""  # closed, nothing written
+        w.close()
+        await _ended(sc)
+        assert [(e.fate, e.status) for e in sc.recorder.sequences] == [("client-gone", 499)]
+        assert "internal error" not in caplog.text
+        state = sc.sidecar.states.get("main")
+        assert state.breaker.counts(sc.sidecar.clock.monotonic()) == (1, 0)  # one success
+        _nothing_kept(sc)
+
+
+async def test_a_client_gone_before_100_continue_is_counted_and_its_span_ended(
+    upstream_factory, sidecar_factory, caplog, monkeypatch
+):
+    """``Expect: 100-continue`` and the client's close arrives just before the 100 Continue is
+    written. The write was made outside the handler's handling of every other end: the
+    ConnectionResetError escaped to aiohttp, which logged a traceback ("Error handling
+    request") per request, the request was never counted (no SequenceEnded), and its server
+    span, already started, was never ended (the trace lost). It is counted client-gone (499)
+    and its span ends; the upstream is never asked."""
+    up = await upstream_factory(reply(200))
+    tracing, exporter = _memory_tracing()
+    sc = await sidecar_factory(routes_yaml(up.url), tracing=tracing)
+    _close_before_writing(monkeypatch, b"HTTP/1.1 100")
+    r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+    w.write(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+    assert await asyncio.wait_for(r.read(), 5) == b""
+    w.close()
+    await _ended(sc)
+    assert [(e.fate, e.status) for e in sc.recorder.sequences] == [("client-gone", 499)]
+    servers = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
+    assert len(servers) == 1
+    assert servers[0].attributes and servers[0].attributes["http.response.status_code"] == 499
+    assert "Error handling request" not in caplog.text
+    assert up.seen == []
+    _nothing_kept(sc)
+
+
+def _close_at_prepare(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = ProxyResponse.prepare
+
+    async def prepare(self: ProxyResponse, request: web.BaseRequest) -> Any:
+        assert request.transport is not None
+        request.transport.close()
+        return await real(self, request)
+
+    monkeypatch.setattr(ProxyResponse, "prepare", prepare)
+
+
+def _close_at_first_body_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = ProxyResponse.write
+
+    async def write(self: ProxyResponse, data: Any) -> None:
+        req = self._req
+        assert req is not None and req.transport is not None
+        req.transport.close()
+        await real(self, data)
+
+    monkeypatch.setattr(ProxyResponse, "write", write)
+
+
+@pytest.mark.parametrize(
+    "close", [_close_at_prepare, _close_at_first_body_write], ids=["before-the-head", "mid-body"]
+)
+async def test_a_client_gone_during_a_streamed_relay_is_client_gone_however_it_is_noticed(
+    upstream_factory,
+    sidecar_factory,
+    caplog,
+    monkeypatch,
+    close: Callable[[pytest.MonkeyPatch], None],
+):
+    """A response too large for one write is streamed. A client that leaves during the relay
+    is counted client-gone (499) when aiohttp's cancellation reaches the handler first; when
+    the close is seen first by a write (the head, or a body chunk), the relay counted the
+    request as the upstream's success with status 200 -- a client that got no response, or a
+    cut one, showed as served in ``retry_sidecar_requests_total`` and its span. Either way it
+    is client-gone; the upstream's success stands for the breaker, and the unfinished
+    upstream response is dropped, not pooled."""
+    up = await upstream_factory(reply(200, b"x" * 200_000))
+    sc = await sidecar_factory(routes_yaml(up.url))
+    close(monkeypatch)
+    r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+    w.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+    await asyncio.wait_for(r.read(), 5)  # the connection ends
+    w.close()
+    await _ended(sc)
+    assert [(e.fate, e.status) for e in sc.recorder.sequences] == [("client-gone", 499)]
+    assert "internal error" not in caplog.text
+    state = sc.sidecar.states.get("main")
+    assert state.breaker.counts(sc.sidecar.clock.monotonic()) == (1, 0)  # one success
+    _nothing_kept(sc)
