@@ -23,7 +23,7 @@ from opentelemetry.trace import SpanKind
 
 from sidecar.proxy.respond import ProxyResponse
 from sidecar.telemetry.tracing import Tracing
-from tests.conftest import Running, reply, routes_yaml
+from tests.conftest import Running, hang, reply, routes_yaml
 from tests.rawhttp import raw_server, read_head
 
 
@@ -57,7 +57,8 @@ async def _ended(sc: Running, n: int = 1) -> None:
 
 def _nothing_kept(sc: Running) -> None:
     assert sc.sidecar.states.get("main").bulkhead.in_flight == 0
-    assert all(p.total == p.idle for p in sc.sidecar.client.stats().values())
+    stats = sc.sidecar.client.stats()
+    assert all(p.total == p.idle for p in stats.values()), stats
 
 
 # == defects ======================================================================================
@@ -174,4 +175,47 @@ async def test_a_client_gone_during_a_streamed_relay_is_client_gone_however_it_i
     assert "internal error" not in caplog.text
     state = sc.sidecar.states.get("main")
     assert state.breaker.counts(sc.sidecar.clock.monotonic()) == (1, 0)  # one success
+    _nothing_kept(sc)
+
+
+async def test_a_client_gone_while_a_hedges_losers_unwind_gives_the_winners_connection_back(
+    upstream_factory, sidecar_factory, monkeypatch
+):
+    """A hedge won: ``hedged`` returns the winner's result from inside ``async with
+    AttemptSet()``, whose exit cancels the loser and waits for it to unwind (a loop turn). The
+    client's close landing in that turn cancels the handler there: the return value -- the
+    winner's result, holding its upstream response -- was dropped on the way out, and nothing
+    discarded that response (the AttemptSet had handed it out, the sequence never got it): its
+    pooled connection stayed busy for ever, one fewer of ``max_connections`` per occurrence.
+    The winner's connection must come back."""
+    from sidecar.engine.attempts import AttemptSet  # interpreted (setup.py): patchable
+
+    up = await upstream_factory(hang(30.0), reply(200, b"fast"))
+    sc = await sidecar_factory(
+        routes_yaml(up.url, "    retry: {auto_timeout: {min: 50ms, max: 100ms}}\n")
+    )
+    st = sc.sidecar.states.get("main")
+    st.latency.ran_long(sc.sidecar.clock.monotonic())  # a recent slow attempt: hedging armed
+    real = AttemptSet.__aexit__
+
+    async def client_leaves_meanwhile(self: AttemptSet, *exc: Any) -> None:
+        task = asyncio.current_task()
+        if exc[0] is None and self.active and task is not None:
+            task.cancel()  # what aiohttp does when the client's close arrives in this turn
+        await real(self, *exc)
+
+    monkeypatch.setattr(AttemptSet, "__aexit__", client_leaves_meanwhile)
+    r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+    w.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+    await asyncio.wait_for(r.read(), 5)
+    w.close()
+    await _ended(sc)
+    assert len(up.seen) == 2  # the original (hanging) and the hedge (answered)
+    assert [e.fate for e in sc.recorder.sequences] == ["client-gone"]
+    for _ in range(100):
+        if st.bulkhead.in_flight == 0 and all(
+            p.total == p.idle for p in sc.sidecar.client.stats().values()
+        ):
+            break
+        await asyncio.sleep(0.02)
     _nothing_kept(sc)
