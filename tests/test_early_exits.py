@@ -219,3 +219,43 @@ async def test_a_client_gone_while_a_hedges_losers_unwind_gives_the_winners_conn
             break
         await asyncio.sleep(0.02)
     _nothing_kept(sc)
+
+
+async def test_the_deadline_ending_a_wait_for_a_pooled_connection_is_a_deadline(
+    upstream_factory, sidecar_factory, client
+):
+    """The pool is full (one connection, held by a slow request of another route) and the
+    request's deadline (300 ms) ends its wait for a connection well before ``wait_timeout``
+    (5 s). The wait was reported as the pool staying full -- 503 ``overloaded`` /
+    ``pool-exhausted`` -- where the bulkhead's wait cut the same way is a 504 ``deadline``
+    (test_ownership.py::test_the_bulkhead_wait_is_charged_to_the_deadline), and Envoy answers
+    504 when the route timeout fires while a request waits for a pooled connection. The
+    upstream was never asked: nothing is told to the breaker."""
+    release = asyncio.Event()
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        if request.path.startswith("/hold"):
+            await release.wait()
+        return web.Response(text="ok")
+
+    up = await upstream_factory(upstream)
+    sc = await sidecar_factory(
+        routes_yaml(
+            up.url,
+            "    match: {path_prefix: /x}\n    timeout: 300ms\n"
+            f'  - name: other\n    upstream: "{up.url}"\n    timeout: 10s\n',
+            top_extra="upstream_pool: {max_connections: 1, wait_timeout: 5s}",
+        )
+    )
+    hold = asyncio.create_task(client.get(sc.url + "/hold"))
+    while not up.seen:  # the only pooled connection is busy
+        await asyncio.sleep(0.01)
+    async with client.get(sc.url + "/x") as r:
+        assert (r.status, r.headers["x-retry-fate"]) == (504, "deadline")
+        assert r.headers["x-retry-proxy-error"] == "deadline"
+    release.set()
+    (await hold).release()
+    assert [s.raw_path for s in up.seen] == ["/hold"]  # /x never reached the upstream
+    state = sc.sidecar.states.get("main")
+    assert state.breaker.counts(sc.sidecar.clock.monotonic()) == (0, 0)
+    _nothing_kept(sc)
