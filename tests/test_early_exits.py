@@ -259,3 +259,48 @@ async def test_the_deadline_ending_a_wait_for_a_pooled_connection_is_a_deadline(
     state = sc.sidecar.states.get("main")
     assert state.breaker.counts(sc.sidecar.clock.monotonic()) == (0, 0)
     _nothing_kept(sc)
+
+
+async def test_a_record_stored_after_its_client_left_is_counted(
+    upstream_factory, sidecar_factory, tmp_path, monkeypatch
+):
+    """A failed write on a DLQ route is captured; the disk is slow (another process holds the
+    write lock) and the client leaves while the record is written. The write goes on -- the
+    writer thread runs it whether or not anyone awaits it -- and the record is stored, but
+    ``retry_sidecar_dlq_writes_total`` counted only captures awaited to the end: a record in
+    the DLQ that no write counts. It is counted once it is stored."""
+    import sqlite3
+
+    from sidecar.dlq.store import DlqStore  # interpreted (setup.py): patchable
+    from tests.test_dlq import dlq_yaml, rows
+
+    up = await upstream_factory(reply(503))
+    db = tmp_path / "dlq.sqlite3"
+    sc = await sidecar_factory(dlq_yaml(up.url, db, retry="{attempts: 1}"))
+    capturing = asyncio.Event()
+    real = DlqStore.add
+
+    async def add(self: DlqStore, rec: Any) -> str:
+        capturing.set()
+        return await real(self, rec)
+
+    monkeypatch.setattr(DlqStore, "add", add)
+    other = sqlite3.connect(db, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # the writer thread waits for this lock (busy timeout)
+    try:
+        _r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+        w.write(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab")
+        await asyncio.wait_for(capturing.wait(), 5)
+        w.transport.abort()  # the client leaves while its record is being written
+        await _ended(sc)
+        assert [e.fate for e in sc.recorder.sequences] == ["client-gone"]
+    finally:
+        other.execute("COMMIT")
+        other.close()
+    line = 'retry_sidecar_dlq_writes_total{route="main",result="stored"} 1'
+    for _ in range(100):
+        if len(rows(db)) == 1 and line in sc.sidecar.metrics.render():
+            break
+        await asyncio.sleep(0.02)
+    assert [r[1] for r in rows(db)] == ["pending"]
+    assert line in sc.sidecar.metrics.render()
