@@ -429,9 +429,9 @@ class ProxyHandler:
                 resp.send_whole(request, body)
             except ConnectionError:
                 # The client left after the answer came and before it went out (its close
-                # arrived, the handler's cancellation not yet): nobody got the answer, so it
-                # counts as client-gone (nginx's 499), not as an internal error. The sequence's
-                # own verdict stands (Sequence.__aexit__).
+                # arrived, the handler's cancellation not yet): counted client-gone (nginx's
+                # 499), as when the cancellation comes first, not as an internal error. The
+                # sequence's own verdict stands (Sequence.__aexit__).
                 self._gone(request, route, start, span)
                 return resp
             return self._finish(
@@ -439,6 +439,7 @@ class ProxyHandler:
             )
         idle = route.stream_idle_timeout
         broken: UpstreamError | None = None
+        gone = False
         try:
             await resp.prepare(request)
             if up.has_body:
@@ -457,11 +458,8 @@ class ProxyHandler:
             broken = exc
             _cut(request, resp)
         except (ConnectionError, OSError):
-            # The client went away, seen by a write before aiohttp's cancellation came: the
-            # same client-gone as that cancellation (_handle), whatever was written already.
-            up.discard()
-            self._gone(request, route, start, span)
-            return resp
+            up.discard()  # the client went away (its close came before the cancellation)
+            gone = True
         except BaseException:
             up.discard()
             raise
@@ -473,6 +471,9 @@ class ProxyHandler:
             return self._finish(
                 request, route, start, resp, BODY_BROKEN, result.attempts, broken.code, span
             )
+        if gone:
+            self._gone(request, route, start, span)
+            return resp
         return self._finish(request, route, start, resp, result.fate, result.attempts, None, span)
 
     def _upstream_warning(self, route: Route, message: str) -> None:
