@@ -146,24 +146,43 @@ def _close_at_first_body_write(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ProxyResponse, "write", write)
 
 
+def _close_at_send_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = ProxyResponse.send_whole
+
+    def send_whole(self: ProxyResponse, request: web.BaseRequest, body: bytes) -> None:
+        assert request.transport is not None
+        request.transport.close()
+        real(self, request, body)
+
+    monkeypatch.setattr(ProxyResponse, "send_whole", send_whole)
+
+
 @pytest.mark.parametrize(
-    "close", [_close_at_prepare, _close_at_first_body_write], ids=["before-the-head", "mid-body"]
+    ("close", "size"),
+    [
+        (_close_at_send_whole, 6),
+        (_close_at_prepare, 200_000),
+        (_close_at_first_body_write, 200_000),
+    ],
+    ids=["whole-in-one-write", "streamed-before-the-head", "streamed-mid-body"],
 )
-async def test_a_client_gone_during_a_streamed_relay_is_client_gone_however_it_is_noticed(
+async def test_a_client_gone_during_the_relay_is_client_gone_however_it_is_noticed(
     upstream_factory,
     sidecar_factory,
     caplog,
     monkeypatch,
     close: Callable[[pytest.MonkeyPatch], None],
+    size: int,
 ):
-    """A response too large for one write is streamed. A client that leaves during the relay
-    is counted client-gone (499) when aiohttp's cancellation reaches the handler first; when
-    the close is seen first by a write (the head, or a body chunk), the relay counted the
-    request as the upstream's success with status 200 -- a client that got no response, or a
-    cut one, showed as served in ``retry_sidecar_requests_total`` and its span. Either way it
-    is client-gone; the upstream's success stands for the breaker, and the unfinished
-    upstream response is dropped, not pooled."""
-    up = await upstream_factory(reply(200, b"x" * 200_000))
+    """A client that leaves while its answer is relayed is counted client-gone (499) when
+    aiohttp's cancellation reaches the handler first. When the close is seen first by a write,
+    a small answer sent in one write was logged as an internal error and counted under fate
+    ``exhausted`` with a 502, and a streamed one (its head, or a body chunk) was counted as the
+    upstream's success with status 200 -- a client that got no response, or a cut one, showed
+    as served in ``retry_sidecar_requests_total`` and its span. Either way it is client-gone;
+    the upstream's success stands for the breaker, and an unfinished upstream response is
+    dropped, not pooled."""
+    up = await upstream_factory(reply(200, b"x" * size))
     sc = await sidecar_factory(routes_yaml(up.url))
     close(monkeypatch)
     r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
