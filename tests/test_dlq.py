@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from yarl import URL
 
+from sidecar.dlq.errors import DlqUnavailable
 from sidecar.dlq.store import DlqStore
 from tests.conftest import reply, routes_yaml
 from tests.wait import until
@@ -481,5 +484,37 @@ async def test_an_id_drawn_twice_in_one_millisecond_refuses_nothing(tmp_path, mo
         rec = NewRecord("r", "PUT", "/x", [], b"b", "exhausted", 1, 503, None, None, 1000.0)
         ids = await asyncio.gather(store.add(rec), store.add(rec), store.add(rec))
         assert sorted(ids) == ["0001aaaa", "0001bbbb", "0001cccc"]
+    finally:
+        store.close()
+
+
+def test_closing_the_store_while_an_admin_read_waits_gives_unavailable_not_a_crash(tmp_path):
+    """An admin read (GET /dlq, run in a worker thread) waiting for the reader while the
+    sidecar stops and closes the store: it gets its rows or DlqUnavailable (a clean 503),
+    never an AttributeError on a reader closed under it. The read checked for the reader
+    before taking the lock, and close() did not take it at all."""
+    store = DlqStore(str(tmp_path / "d.sqlite3"), 100, 10**6)
+    store.open()
+    outcome: list[object] = []
+
+    def read() -> None:
+        try:
+            outcome.append(store._read("SELECT count(*) FROM records", ()))
+        except Exception as exc:  # what the admin API would see
+            outcome.append(exc)
+
+    try:
+        with store._read_lock:  # a read already running holds the reader
+            reader = threading.Thread(target=read)
+            reader.start()
+            time.sleep(0.05)  # the second read is now waiting for the lock
+            closer = threading.Thread(target=store.close)
+            closer.start()
+            closer.join(0.2)  # (it waits for the lock too, now)
+        reader.join(5)
+        closer.join(5)
+        assert not reader.is_alive() and not closer.is_alive()
+        assert len(outcome) == 1
+        assert outcome[0] == [(0,)] or isinstance(outcome[0], DlqUnavailable), outcome
     finally:
         store.close()

@@ -401,3 +401,48 @@ async def test_kill_switch_and_breaker_survive_a_reload(
     async with client.get(sc.url + "/x") as resp:
         assert resp.headers["x-retry-fate"] == "kill-switch"
     assert sc.sidecar.store.current.routes[0].retry.attempts == 4
+
+
+async def test_a_reload_that_shrinks_the_bulkhead_applies_to_what_is_in_flight(
+    upstream_factory, sidecar_factory, client, tmp_path
+):
+    """Four requests in flight, the bulkhead reloaded from 4 to 1: a fifth is refused (503
+    overloaded) until they are done, as Envoy applies a lowered limit to the current count.
+    Before, the reload started a fresh semaphore and let the fifth in at once."""
+    release = asyncio.Event()
+
+    async def held(request: web.Request) -> web.StreamResponse:
+        await release.wait()
+        return web.Response(text="done")
+
+    up = await upstream_factory(held)
+    cfg = tmp_path / "sidecar.yaml"
+
+    def text(n: int) -> str:
+        return routes_yaml(
+            up.url,
+            "    retry: {attempts: 1, per_try_timeout: 30s}\n"
+            f"    bulkhead: {{max_concurrent: {n}, queue_timeout: 100ms, adaptive: false}}",
+        )
+
+    sc = await start_with_file(sidecar_factory, cfg, text(4))
+    bulkhead = sc.sidecar.states.get("main").bulkhead
+
+    async def get() -> tuple[int, str | None]:
+        async with client.get(sc.url + "/x") as resp:
+            await resp.read()
+            return resp.status, resp.headers.get("x-retry-proxy-error")
+
+    four = [asyncio.create_task(get()) for _ in range(4)]
+    for _ in range(250):
+        if bulkhead.in_flight == 4:
+            break
+        await asyncio.sleep(0.02)
+    assert bulkhead.in_flight == 4
+    cfg.write_text(text(1))
+    result = await sc.sidecar.reload("test")
+    assert result is not None and result.ok
+    assert await get() == (503, "overloaded")
+    release.set()
+    assert [s for s, _ in await asyncio.gather(*four)] == [200] * 4
+    assert await get() == (200, None)

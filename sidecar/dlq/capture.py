@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -101,10 +102,26 @@ async def capture(
         created_at=time.time(),
         reached_upstream=reached_upstream(result, route, method, key is not None),
     )
+    adding = asyncio.ensure_future(store.add(rec))
     try:
-        rid = await store.add(rec)
+        rid = await asyncio.shield(adding)
+    except asyncio.CancelledError:
+        # The client left while the record was written: the writer thread goes on with it
+        # whether or not anyone awaits it, so it is counted when it ends, not dropped uncounted.
+        adding.add_done_callback(lambda done: _count(done, route.name, on_write))
+        raise
     except DlqError as exc:
         on_write(route.name, exc.header)
         return Captured(exc.header)
     on_write(route.name, "stored")
     return Captured("stored", rid)
+
+
+def _count(done: asyncio.Future[str], route: str, on_write: OnWrite) -> None:
+    if done.cancelled():
+        return
+    exc = done.exception()
+    if exc is None:
+        on_write(route, "stored")
+    elif isinstance(exc, DlqError):
+        on_write(route, exc.header)

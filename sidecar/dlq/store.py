@@ -209,9 +209,10 @@ class DlqStore:
         if self._writer is not None:
             self._writer.stop()
             self._writer = None
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
+        with self._read_lock:  # not under a read running in a worker thread
+            if self._reader is not None:
+                self._reader.close()
+                self._reader = None
         self.available = False
 
     # -- what the writer thread keeps up to date -------------------------------------------
@@ -450,11 +451,12 @@ class DlqStore:
     # -- reads (a separate connection; WAL lets it read while the writer writes) -----------
 
     def _read(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        if self._reader is None:
-            raise DlqUnavailable("the DLQ is not open")
-        with self._read_lock:
+        with self._read_lock:  # close() takes it too: the reader is not closed mid-read
+            reader = self._reader
+            if reader is None:
+                raise DlqUnavailable("the DLQ is not open")
             try:
-                return self._reader.execute(sql, args).fetchall()
+                return reader.execute(sql, args).fetchall()
             except sqlite3.Error as exc:
                 raise DlqUnavailable(f"DLQ read failed: {exc}") from None
 

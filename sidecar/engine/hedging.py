@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 async def hedged(driver: Driver, after: float) -> SequenceResult:
     d = driver
     last: Attempted | None = None  # a failure kept as the answer if nothing better comes
+    answer: Attempted | None = None  # the attempt whose result is being returned
     try:
         async with AttemptSet() as running:
             d.start(running, hedge=False)
@@ -72,6 +73,7 @@ async def hedged(driver: Driver, after: float) -> SequenceResult:
                 if isinstance(decision, Stop):
                     if a.hedge and decision.fate is Fate.SUCCESS:
                         d.events.hedged(HedgeEvent(d.route.name, "won"))
+                    answer = a
                     return d.result(decision.fate, a)
                 ended = await d.backoff(a, decision)
                 if ended is not None:
@@ -80,6 +82,13 @@ async def hedged(driver: Driver, after: float) -> SequenceResult:
                 started = d.clock.monotonic()
                 hedge_at = started + after
                 refused = False
+    except BaseException:
+        # The AttemptSet's exit waits for the others to unwind; cancelled there (the client
+        # left in that loop turn), the result being returned is dropped, and with it the
+        # answer's response, which nothing else owns any more: let it go here.
+        if answer is not None:
+            answer.discard()
+        raise
     finally:
         # A failure kept while others ran, and not the answer: its connection goes back
         # (whatever way this ends -- a winner, the deadline, the client leaving).

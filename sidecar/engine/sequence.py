@@ -147,13 +147,16 @@ class Sequence:
         try:
             self._state.budget.record_request(now)
             self._state.hedge_budget.record_request(now)
-            wait = min(route.bulkhead.queue_timeout, ex.deadline.remaining(now))
+            queue_timeout = route.bulkhead.queue_timeout
+            wait = min(queue_timeout, ex.deadline.remaining(now))
             try:
                 slot = self._state.bulkhead.slot(wait)
                 await slot.__aenter__()  # Overloaded without holding anything
                 self._slot = slot
             except LocalOverload as exc:
-                if ex.deadline.expired(clock.monotonic()):
+                # Judged by the bound that was set, not by reading the clock again: the loop's
+                # timer may fire a little before the clock reaches the deadline.
+                if wait < queue_timeout:
                     # The wait was cut by the deadline, not by the queue timeout.
                     spent = NoTimeLeft("the sequence deadline passed waiting for a slot")
                     self.result = SequenceResult(Fate.DEADLINE, 0, None, spent)

@@ -158,12 +158,11 @@ class ProxyHandler:
         as_received = list(shared) if route.dlq.enabled else shared
         clock = deps.clock
         start = clock.monotonic()
-        if expect is not None and request.version == (1, 1) and request.body_exists:
-            # The low-level aiohttp server does not answer Expect itself (its router does):
-            # without this a client waits its expect timeout (curl: 1 s) before sending.
-            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-
         try:
+            if expect is not None and request.version == (1, 1) and request.body_exists:
+                # The low-level aiohttp server does not answer Expect itself (its router does):
+                # without this a client waits its expect timeout (curl: 1 s) before sending.
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             return await self._sequence(
                 request, config, route, target, shared, as_received, edge, timeout_ms, start, span
             )
@@ -187,6 +186,13 @@ class ProxyHandler:
             # below has given back what it held; count it and let the cancellation go on.
             self._gone(request, route, start, span)
             raise
+        except ConnectionError:
+            # A write to the client (100 Continue, a relayed 1xx) found its transport closing:
+            # its close arrived before aiohttp's cancellation of this handler (a loop turn
+            # later). The same client that left; every scope below has given back what it held.
+            self._gone(request, route, start, span)
+            _cut_transport(request)
+            return client_error(400, "the client closed the connection")
         except Exception:
             # A bug must not become a traceback per request: one bounded log line, a clean 502,
             # and the request still counted and its span ended.

@@ -70,7 +70,8 @@ class Pool:
         # The wait for a free connection is part of the attempt's time: bounded by it (and
         # so by the sequence deadline) as well as by wait_timeout.
         deadline = self._loop.time() + connect_timeout
-        grant = await self._wait(min(self.settings.wait_timeout, connect_timeout))
+        wait = self.settings.wait_timeout
+        grant = await self._wait(min(wait, connect_timeout), connect_timeout < wait)
         if grant is not None:
             if grant.usable():
                 return grant
@@ -100,10 +101,12 @@ class Pool:
             self._grant_next()
             raise
 
-    async def _wait(self, wait: float) -> Connection | None:
+    async def _wait(self, wait: float, attempt_bound: bool) -> Connection | None:
+        """Queue for a grant, at most ``wait`` seconds; ``attempt_bound``: the attempt's own
+        time (its per-try timeout or the sequence deadline), not ``wait_timeout``, ends it."""
         fut: asyncio.Future[Grant] = self._loop.create_future()
         self._waiters.append(fut)
-        handle = self._loop.call_later(max(wait, 0.0), _expire, fut)
+        handle = self._loop.call_later(max(wait, 0.0), _expire, fut, attempt_bound)
         try:
             return await fut
         except BaseException:
@@ -205,6 +208,12 @@ class Pool:
                 fut.set_exception(ConnectFailure("the upstream client is shut down"))
 
 
-def _expire(fut: asyncio.Future[Grant]) -> None:
-    if not fut.done():
+def _expire(fut: asyncio.Future[Grant], attempt_bound: bool) -> None:
+    if fut.done():
+        return
+    if attempt_bound:
+        # The attempt's time ran out before a connection freed up: nothing was sent, as when
+        # it runs out before connecting (a deadline, not the pool staying full for its wait).
+        fut.set_exception(NoTimeLeft("no time left waiting for a connection"))
+    else:
         fut.set_exception(PoolExhausted("every upstream connection stayed busy"))
