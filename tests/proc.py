@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import random
 import signal
@@ -37,19 +38,27 @@ def free_port() -> int:
     raise RuntimeError("no free port found")
 
 
+_logs = itertools.count(1)  # one log file per process started, even for one config
+
+
 class SidecarProcess:
+    """The real sidecar process. Its output goes to a file beside its config, never to a pipe
+    nobody reads: a sidecar that logged more than a pipe holds (64 KiB) would block on it."""
+
     def __init__(self, config_path: Path, env: dict[str, str] | None = None) -> None:
         self.config_path = config_path
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = config_path.with_name(f"{config_path.name}.{next(_logs)}.log")
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sidecar", "run", "--config", str(self.config_path)],
-            env=self.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
+        with open(self.log_path, "wb") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "sidecar", "run", "--config", str(self.config_path)],
+                env=self.env,
+                stdout=log,
+                stderr=log,
+            )
 
     async def wait_port(self, *ports: int, timeout: float = 15.0) -> None:
         """Wait until every port given accepts a connection. The proxy listens before the
@@ -59,7 +68,7 @@ class SidecarProcess:
             while True:
                 assert self.proc is not None
                 if self.proc.poll() is not None:
-                    err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                    err = self.stderr()
                     raise RuntimeError(f"sidecar exited with {self.proc.returncode}: {err}")
                 try:
                     _, w = await asyncio.open_connection("127.0.0.1", port)
@@ -81,5 +90,5 @@ class SidecarProcess:
             return self.proc.wait()
 
     def stderr(self) -> str:
-        assert self.proc is not None and self.proc.stderr is not None
-        return self.proc.stderr.read().decode()
+        """What the process wrote (its log lines go to stderr)."""
+        return self.log_path.read_text(errors="replace")

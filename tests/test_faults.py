@@ -155,9 +155,7 @@ async def test_idle_pooled_connections_are_closed_after_the_idle_timeout(
     upstream_factory, sidecar_factory, client
 ):
     up = await upstream_factory()
-    sc = await sidecar_factory(
-        routes_yaml(up.url, top_extra="upstream_pool: {idle_timeout: 1s}")
-    )
+    sc = await sidecar_factory(routes_yaml(up.url, top_extra="upstream_pool: {idle_timeout: 1s}"))
     async with client.get(sc.url + "/x") as resp:
         assert resp.status == 200
     [stats] = sc.sidecar.client.stats().values()
