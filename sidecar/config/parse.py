@@ -595,12 +595,21 @@ def _int_range(lo: int, hi: int) -> Callable[[object], int]:
     return check
 
 
+# No ratio, rate, multiplier or factor of the config needs more; a bigger one overflowed
+# arithmetic (a budget's min_per_second of 1e308 times its window is inf).
+MAX_NUMBER = 1e9
+
+
 def _number(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _Invalid(f"expected a number, got {value!r}")
+    if isinstance(value, int) and abs(value) > MAX_NUMBER:  # before float(), which overflows
+        raise _Invalid(f"must be at most {MAX_NUMBER:g}, got {value!r}")
     f = float(value)
     if f != f or f in (float("inf"), float("-inf")):
         raise _Invalid(f"expected a finite number, got {value!r}")
+    if abs(f) > MAX_NUMBER:
+        raise _Invalid(f"must be at most {MAX_NUMBER:g}, got {value!r}")
     return f
 
 

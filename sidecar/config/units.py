@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import re
+
+# Upper bounds, so that arithmetic on a value (a deadline, a window times a rate, seconds to
+# milliseconds) stays finite: an ``inf`` timeout broke every request. Durations stop at
+# Envoy's (protobuf Duration's) 10,000 years; sizes at what a signed 64-bit integer holds
+# (SQLite's integers). The digits are counted before int(), whose cost grows with them.
+MAX_DURATION = 315_576_000_000.0
+MAX_SIZE = 2**63 - 1
+_MAX_DIGITS = 20
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -31,7 +40,10 @@ def parse_duration(value: object) -> float:
     m = _DURATION.match(value)
     if m is None:
         raise UnitError(f"expected a duration like '250ms', '2s', '5m' or '1h', got {value!r}")
-    return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    if not math.isfinite(seconds) or seconds > MAX_DURATION:
+        raise UnitError(f"a duration must be at most {MAX_DURATION:.0f}s (10,000 years)")
+    return seconds
 
 
 def parse_size(value: object) -> int:
@@ -41,13 +53,19 @@ def parse_size(value: object) -> int:
     if isinstance(value, int):
         if value < 0:
             raise UnitError(f"a size cannot be negative, got {value}")
+        if value > MAX_SIZE:
+            raise UnitError(f"a size must be at most {MAX_SIZE} bytes")
         return value
     if not isinstance(value, str):
         raise UnitError(f"expected a size like '512', '64KiB' or '1MiB', got {value!r}")
     m = _SIZE.match(value)
     if m is None:
         raise UnitError(f"expected a size like '512', '64KiB' or '1MiB', got {value!r}")
-    return int(m.group(1)) * _SIZE_UNITS[m.group(2)]
+    digits = m.group(1).lstrip("0") or "0"
+    size = int(digits) * _SIZE_UNITS[m.group(2)] if len(digits) <= _MAX_DIGITS else MAX_SIZE + 1
+    if size > MAX_SIZE:
+        raise UnitError(f"a size must be at most {MAX_SIZE} bytes")
+    return size
 
 
 def format_duration(seconds: float) -> str:

@@ -2,7 +2,9 @@
 
 Errors must name the key path and its line (``routes[2].retry.attempts``), so the parser works on
 PyYAML's node graph rather than on ``safe_load`` output. Aliases are expanded with a node budget,
-so an alias bomb ("billion laughs") is refused instead of eating memory.
+so an alias bomb ("billion laughs") is refused instead of eating memory; nesting is bounded (the
+composer recurses per level, and a RecursionError is not a YAML error); a scalar its resolver
+cannot build (a 5,000-digit integer, a 13th month) is an error at its key, not an exception.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import yaml
 
 MAX_DOCUMENT_BYTES = 1024 * 1024
 MAX_NODES = 100_000
+MAX_DEPTH = 32  # the deepest key of a valid config is 5 levels down
+MAX_NUMBER_CHARS = 64  # int() of a longer digit string costs, then fails past 4,300 digits
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 # One loader instance, used only to turn scalar nodes into Python values with the safe resolver.
 _SCALARS = yaml.SafeLoader("")
 
@@ -57,14 +62,22 @@ class Located:
 def load(text: str) -> Located:
     if len(text.encode("utf-8", "surrogatepass")) > MAX_DOCUMENT_BYTES:
         raise YamlLoadError(1, f"the document is larger than {MAX_DOCUMENT_BYTES} bytes")
+    loader: yaml.SafeLoader | None = None
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        loader = yaml.SafeLoader(text)  # its reader checks the characters here already
+        node = loader.get_single_node()
+    except RecursionError:
+        line = loader.get_mark().line + 1 if loader is not None else 1
+        raise YamlLoadError(line, f"the document nests deeper than {MAX_DEPTH} levels") from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else 1
         raise YamlLoadError(line, f"invalid YAML: {exc.problem or exc}") from None
     except yaml.YAMLError as exc:
         raise YamlLoadError(1, f"invalid YAML: {exc}") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
     located = Located(data=None)
     if node is None:
         return located
@@ -79,6 +92,10 @@ def _convert(node: yaml.Node, path: Path, lines: dict[Path, int], budget: list[i
         raise YamlLoadError(
             node.start_mark.line + 1,
             f"the document expands to more than {MAX_NODES} nodes (alias bomb?)",
+        )
+    if len(path) > MAX_DEPTH:
+        raise YamlLoadError(
+            node.start_mark.line + 1, f"the document nests deeper than {MAX_DEPTH} levels"
         )
     lines.setdefault(path, node.start_mark.line + 1)
     if isinstance(node, yaml.MappingNode):
@@ -102,9 +119,15 @@ def _convert(node: yaml.Node, path: Path, lines: dict[Path, int], budget: list[i
     if isinstance(node, yaml.SequenceNode):
         return [_convert(item, (*path, i), lines, budget) for i, item in enumerate(node.value)]
     assert isinstance(node, yaml.ScalarNode)
+    if node.tag in _NUMBER_TAGS and len(node.value) > MAX_NUMBER_CHARS:
+        raise YamlLoadError(
+            node.start_mark.line + 1,
+            f"a number of more than {MAX_NUMBER_CHARS} characters",
+            path_str(path),
+        )
     try:
         return _SCALARS.construct_object(node)
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, ValueError, OverflowError) as exc:  # ValueError: a bad date
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise YamlLoadError(
             node.start_mark.line + 1, f"unsupported value: {problem}", path_str(path)

@@ -1,0 +1,89 @@
+"""Hostile input: config files, admin API calls and per-request headers built to break the
+sidecar. Each must get a clear error (a config line naming the key path, a 4xx with
+``{"error": ...}``), never a traceback, a hang or a dead background task."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sidecar.config.errors import ConfigError
+from sidecar.config.parse import parse_text
+from tests.conftest import reply, routes_yaml
+from tests.wait import until
+
+BASE = """version: 1
+listen: "127.0.0.1:0"
+routes:
+  - name: main
+    upstream: "http://127.0.0.1:1"
+"""
+HUGE_INT = "9" * 5000  # over Python's 4300-digit limit for int(str)
+HUGE_FLOAT_DIGITS = "9" * 400  # float() of it is inf
+
+
+@pytest.mark.parametrize(
+    ("text", "wanted"),
+    [
+        (BASE + f"    retry: {{attempts: {HUGE_INT}}}\n", "routes[0].retry.attempts"),
+        (BASE + f"limits: {{max_request_body: {HUGE_INT}}}\n", "limits.max_request_body"),
+        (BASE + f"limits: {{max_request_body: '{HUGE_INT}KiB'}}\n", "limits.max_request_body"),
+        (BASE + f"    timeout: '{HUGE_FLOAT_DIGITS}s'\n", "routes[0].timeout"),
+        (BASE + f"drain_timeout: '{HUGE_FLOAT_DIGITS}ms'\n", "drain_timeout"),
+        (BASE + "    budget: {min_per_second: 1.0e+308}\n", "routes[0].budget.min_per_second"),
+        (BASE + f"    budget: {{min_per_second: 1{'0' * 400}}}\n", "budget.min_per_second"),
+        (BASE + "    x: 2001-13-45\n", "routes[0].x"),
+        (BASE + "x: " + "[" * 5000 + "]" * 5000 + "\n", "nest"),
+        (BASE + "x: " + "{a: " * 3000 + "1" + "}" * 3000 + "\n", "nest"),
+        (BASE + "x:\n" + "".join("  " * i + "- \n" for i in range(1, 400)), "nest"),
+    ],
+    ids=[
+        "huge-int",
+        "huge-size",
+        "huge-size-string",
+        "infinite-duration",
+        "infinite-drain",
+        "absurd-rate",
+        "400-digit-rate",
+        "bad-timestamp",
+        "deep-lists",
+        "deep-maps",
+        "deep-block-lists",
+    ],
+)
+def test_hostile_values_are_config_errors_naming_the_key(text: str, wanted: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_text(text, "c.yaml")
+    lines = info.value.lines()
+    assert all(line.startswith("c.yaml:") for line in lines), lines
+    assert any(wanted in line for line in lines), lines
+
+
+async def test_a_hostile_file_on_hot_reload_keeps_the_watcher_and_the_old_config(
+    upstream_factory, sidecar_factory, client, tmp_path: Path
+) -> None:
+    """A file the parser could not turn into a config error (a 5,000-digit integer) killed the
+    file watcher: no later edit was ever loaded, and the admin reload answered 500."""
+    up = await upstream_factory(reply(200))
+    cfg = tmp_path / "sidecar.yaml"
+    good = routes_yaml(up.url, "    retry: {attempts: 2}")
+    cfg.write_text(good)
+    sc = await sidecar_factory(good, config_path=str(cfg), watch_interval=0.05)
+    version = sc.sidecar.store.current.sha256
+    admin = f"http://127.0.0.1:{sc.sidecar.admin_port}"
+    cfg.write_text(routes_yaml(up.url, f"    retry: {{attempts: {HUGE_INT}}}"))
+    await until(lambda: sc.sidecar.store.last_error is not None, "the bad file to be seen")
+    assert "routes[0].retry.attempts" in (sc.sidecar.store.last_error or "")
+    async with client.post(admin + "/config/reload") as resp:
+        assert resp.status == 422
+        assert any("routes[0].retry.attempts" in e for e in (await resp.json())["errors"])
+    assert sc.sidecar.store.current.sha256 == version
+    async with client.get(sc.url + "/x") as resp:
+        assert resp.status == 200
+    # The watcher is still alive: a good edit is loaded without anyone asking.
+    cfg.write_text(routes_yaml(up.url, "    retry: {attempts: 3}"))
+    await until(
+        lambda: sc.sidecar.store.current.route("main").retry.attempts == 3,  # type: ignore[union-attr]
+        "the good edit to be loaded by the watcher",
+    )
