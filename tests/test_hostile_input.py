@@ -4,14 +4,19 @@ sidecar. Each must get a clear error (a config line naming the key path, a 4xx w
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from sidecar.config.errors import ConfigError
 from sidecar.config.parse import parse_text
 from tests.conftest import reply, routes_yaml
-from tests.wait import until
+from tests.wait import BOUND, until
 
 BASE = """version: 1
 listen: "127.0.0.1:0"
@@ -87,3 +92,73 @@ async def test_a_hostile_file_on_hot_reload_keeps_the_watcher_and_the_old_config
         lambda: sc.sidecar.store.current.route("main").retry.attempts == 3,  # type: ignore[union-attr]
         "the good edit to be loaded by the watcher",
     )
+
+
+def _release_fifo(path: Path) -> None:
+    """Open the FIFO's write end once, so that a reader blocked in open() (the old code) gets
+    end-of-file instead of holding a thread forever."""
+    with contextlib.suppress(OSError):  # ENXIO: nobody is blocked on it
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "too-large", "not-utf8"])
+async def test_a_config_path_that_is_no_readable_file_is_refused_at_once(
+    upstream_factory, sidecar_factory, tmp_path: Path, kind: str
+) -> None:
+    """The config file replaced by a FIFO, a directory, a file over 1 MiB or bytes that are not
+    UTF-8: POST /config/reload answers 422 with the reason and the old config keeps serving.
+    A FIFO blocked the reload thread in open() forever (and the reload lock with it: every
+    later reload hung too)."""
+    up = await upstream_factory(reply(200))
+    cfg = tmp_path / "sidecar.yaml"
+    good = routes_yaml(up.url)
+    cfg.write_text(good)
+    # The watcher stays out of the way: the admin reload is what is tested.
+    sc = await sidecar_factory(good, config_path=str(cfg), watch_interval=3600.0)
+    version = sc.sidecar.store.current.sha256
+    cfg.unlink()
+    if kind == "fifo":
+        os.mkfifo(cfg)
+        wanted = "not a regular file"
+    elif kind == "directory":
+        cfg.mkdir()
+        wanted = "cannot read"
+    elif kind == "too-large":
+        with open(cfg, "wb") as f:
+            f.truncate(64 * 1024 * 1024)  # sparse: no disk used
+        wanted = "larger than"
+    else:
+        cfg.write_bytes(good.encode() + b"# \xff\xfe\n")
+        wanted = "not UTF-8"
+    admin = f"http://127.0.0.1:{sc.sidecar.admin_port}"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=BOUND)) as s:
+            for _ in range(2):  # the second one shows the reload lock was given back
+                async with s.post(admin + "/config/reload") as resp:
+                    assert resp.status == 422
+                    body = await resp.json()
+                    assert any(wanted in e for e in body["errors"]), body
+                    assert body["version"] == version
+            async with s.get(sc.url + "/x") as resp:
+                assert resp.status == 200
+    finally:
+        if kind == "fifo":
+            _release_fifo(cfg)
+
+
+def test_validate_refuses_a_fifo_instead_of_waiting_for_a_writer(tmp_path: Path) -> None:
+    fifo = tmp_path / "sidecar.yaml"
+    os.mkfifo(fifo)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "sidecar", "validate", str(fifo)],
+            capture_output=True,
+            text=True,
+            timeout=BOUND * 2,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        )
+    finally:
+        _release_fifo(fifo)
+    assert out.returncode == 1
+    assert out.stdout.startswith(f"{fifo}:0: <file>: ") and "not a regular file" in out.stdout
+    assert "Traceback" not in out.stderr

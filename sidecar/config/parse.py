@@ -7,13 +7,15 @@ line that holds it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import ipaddress
+import os
 import re
 import socket
+import stat
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path as FsPath
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -43,7 +45,14 @@ from sidecar.config.model import (
     Upstream,
     UpstreamPool,
 )
-from sidecar.config.yamlnodes import Located, Path, YamlLoadError, load, path_str
+from sidecar.config.yamlnodes import (
+    MAX_DOCUMENT_BYTES,
+    Located,
+    Path,
+    YamlLoadError,
+    load,
+    path_str,
+)
 
 T = TypeVar("T")
 
@@ -882,9 +891,22 @@ def parse_text(text: str, source: str = "<memory>") -> Config:
     return config
 
 
+def read_file(path: str) -> bytes:
+    """The config file's bytes, at most one more than the document limit: a regular file only.
+
+    Opened non-blocking, so that a FIFO put where the file was (which open() would wait on
+    for a writer forever, holding the reload lock and a thread) or a device (/dev/zero,
+    read forever) is refused at once; a larger file is not read past the limit."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a directory, FIFO, socket or device)")
+        return f.read(MAX_DOCUMENT_BYTES + 1)
+
+
 def parse_file(path: str) -> Config:
     try:
-        raw = FsPath(path).read_bytes()
+        raw = read_file(path)
     except OSError as exc:
         raise ConfigError(
             path, [ConfigIssue(0, "<file>", f"cannot read: {exc.strerror}")]
@@ -894,6 +916,10 @@ def parse_file(path: str) -> Config:
 
 def parse_bytes(raw: bytes, path: str) -> Config:
     """The file's bytes as read once: the version (sha256) is of exactly these bytes."""
+    if len(raw) > MAX_DOCUMENT_BYTES:  # checked before decoding: the read stops past it
+        raise ConfigError(
+            path, [ConfigIssue(1, "<file>", f"the file is larger than {MAX_DOCUMENT_BYTES} bytes")]
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

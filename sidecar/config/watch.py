@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from sidecar.config.errors import ConfigError, ConfigIssue
 from sidecar.config.model import Config
-from sidecar.config.parse import parse_bytes
+from sidecar.config.parse import parse_bytes, read_file
 from sidecar.config.store import ConfigStore
 
 log = logging.getLogger("sidecar.config")
@@ -86,16 +86,17 @@ def needs_restart(old: Config, new: Config) -> list[tuple[str, str]]:
 
 def _read(path: str) -> bytes | OSError:
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        return read_file(path)
     except OSError as exc:
         return exc
 
 
 def file_sha256(path: str) -> str | None:
+    """The hash of what a reload would read; None when that is no regular file (missing,
+    a directory, a FIFO): the watcher waits for a file, and POST /config/reload or SIGHUP
+    says what is wrong."""
     try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
+        return hashlib.sha256(read_file(path)).hexdigest()
     except OSError:
         return None
 
