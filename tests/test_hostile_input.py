@@ -5,6 +5,7 @@ sidecar. Each must get a clear error (a config line naming the key path, a 4xx w
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -162,3 +163,107 @@ def test_validate_refuses_a_fifo_instead_of_waiting_for_a_writer(tmp_path: Path)
     assert out.returncode == 1
     assert out.stdout.startswith(f"{fifo}:0: <file>: ") and "not a regular file" in out.stdout
     assert "Traceback" not in out.stderr
+
+
+ADMIN_TOKEN = "s3cret-token"
+AUTH = b"Authorization: Bearer " + ADMIN_TOKEN.encode() + b"\r\n"
+FORM = b"Content-Type: application/x-www-form-urlencoded\r\n"
+DEEP_JSON = b"[" * 60_000  # within the 64 KiB admin body limit
+
+
+def _request(method: str, target: str, headers: bytes = b"", body: bytes = b"") -> bytes:
+    return (
+        f"{method} {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n".encode()
+        + headers
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+        + body
+    )
+
+
+@pytest.mark.parametrize(
+    ("method", "target", "headers", "body", "status"),
+    [
+        ("PUT", "/killswitch", AUTH, DEEP_JSON, 400),
+        ("POST", "/dlq/replay", AUTH, DEEP_JSON, 400),
+        ("PUT", "/killswitch", b"Authorization: Bearer \xff\r\n", b"{}", 401),
+        ("PUT", "/killswitch", b"Authorization: Bearer \xc3\xa9\r\n", b"{}", 401),
+        ("GET", "/dlq?limit=%C2%B2", AUTH, b"", 400),  # "²".isdigit() is true
+        ("GET", f"/dlq?limit={HUGE_INT}", AUTH, b"", 400),
+        ("GET", "/dlq?cursor=%C2%B2", AUTH, b"", 400),
+        ("GET", f"/dlq?cursor={'9' * 30}", AUTH, b"", 400),  # over SQLite's integers
+        ("GET", f"/dlq?cursor={HUGE_INT}", AUTH, b"", 400),
+        ("GET", "/?refresh=%C2%B2", b"", b"", 200),  # the status page is lenient
+        ("GET", f"/?refresh={HUGE_INT}", b"", b"", 200),
+        ("GET", "/?done=%C2%B2", b"", b"", 200),
+        ("GET", f"/?done={HUGE_INT}", b"", b"", 200),
+        ("POST", "/ui/killswitch", FORM, b"nonce=1.x.%C3%A9&token=s3cret-token", 403),
+    ],
+    ids=[
+        "killswitch-deep-json",
+        "replay-deep-json",
+        "token-not-utf8",
+        "token-not-ascii",
+        "dlq-limit-superscript",
+        "dlq-limit-huge",
+        "dlq-cursor-superscript",
+        "dlq-cursor-over-int64",
+        "dlq-cursor-huge",
+        "page-refresh-superscript",
+        "page-refresh-huge",
+        "page-done-superscript",
+        "page-done-huge",
+        "form-nonce-not-ascii",
+    ],
+)
+async def test_hostile_admin_calls_get_a_clear_answer_never_a_500(
+    upstream_factory,
+    sidecar_factory,
+    monkeypatch,
+    tmp_path: Path,
+    method: str,
+    target: str,
+    headers: bytes,
+    body: bytes,
+    status: int,
+) -> None:
+    from tests.rawhttp import raw_request
+
+    monkeypatch.setenv("TEST_ADMIN_TOKEN", ADMIN_TOKEN)
+    up = await upstream_factory(reply(200))
+    sc = await sidecar_factory(
+        routes_yaml(
+            up.url,
+            "    dlq: {enabled: true}",
+            top_extra=f'dlq: {{path: "{tmp_path}/dlq.sqlite3"}}',
+            admin='admin: {listen: "127.0.0.1:0", token_env: TEST_ADMIN_TOKEN}',
+        )
+    )
+    out = await raw_request(sc.sidecar.admin_port, _request(method, target, headers, body))
+    head, _, payload = out.partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0] == b"HTTP/1.1 %d %s" % (
+        status,
+        {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 403: b"Forbidden"}[status],
+    ), out[:300]
+    if status != 200 and b"application/json" in head:
+        assert set(json.loads(payload)) >= {"error"}
+
+
+async def test_the_bearer_scheme_is_case_insensitive(
+    upstream_factory, sidecar_factory, monkeypatch
+) -> None:
+    """RFC 9110 section 11.1: the authentication scheme is a case-insensitive token."""
+    from tests.rawhttp import raw_request
+
+    monkeypatch.setenv("TEST_ADMIN_TOKEN", ADMIN_TOKEN)
+    up = await upstream_factory(reply(200))
+    sc = await sidecar_factory(
+        routes_yaml(up.url, admin='admin: {listen: "127.0.0.1:0", token_env: TEST_ADMIN_TOKEN}')
+    )
+    body = json.dumps({"scope": "global", "ttl": "1m", "reason": "x"}).encode()
+    for scheme in (b"bearer", b"BEARER"):
+        auth = b"Authorization: " + scheme + b" " + ADMIN_TOKEN.encode() + b"\r\n"
+        out = await raw_request(sc.sidecar.admin_port, _request("PUT", "/killswitch", auth, body))
+        assert out.startswith(b"HTTP/1.1 200 OK"), out[:200]
+    wrong = b"Authorization: Basic " + ADMIN_TOKEN.encode() + b"\r\n"
+    out = await raw_request(sc.sidecar.admin_port, _request("PUT", "/killswitch", wrong, body))
+    assert out.startswith(b"HTTP/1.1 401"), out[:200]

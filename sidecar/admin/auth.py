@@ -39,8 +39,13 @@ def check_exposure(admin: Admin, token: str | None) -> None:
 
 
 def bearer_ok(header: str | None, token: str) -> bool:
-    """Constant-time comparison of ``Authorization: Bearer <token>``."""
-    if header is None or not header.startswith("Bearer "):
+    """Constant-time comparison of ``Authorization: Bearer <token>``. The scheme is matched
+    without regard to case (RFC 9110 section 11.1); the credentials are compared as the bytes
+    that came (the server decodes a header with surrogateescape: a byte that is not UTF-8
+    must not raise in encode())."""
+    scheme, _, credentials = (header or "").partition(" ")
+    if scheme.lower() != "bearer":
         hmac.compare_digest(b"x", b"y")  # same work either way
         return False
-    return hmac.compare_digest(header[7:].strip().encode(), token.encode())
+    given = credentials.strip().encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, token.encode())

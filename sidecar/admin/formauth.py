@@ -53,7 +53,12 @@ class Nonces:
         """Accept a nonce once; FormRefused otherwise."""
         body, _, mac = nonce.rpartition(".")
         issued_s, _, _ = body.partition(".")
-        if not body or not issued_s.isdigit() or not hmac.compare_digest(mac, self._mac(body)):
+        if (
+            not body
+            or not nonce.isascii()  # compare_digest refuses non-ASCII str (a TypeError)
+            or not issued_s.isdigit()
+            or not hmac.compare_digest(mac, self._mac(body))
+        ):
             raise FormRefused(403, "this form was not issued by this sidecar; reload the page")
         if not 0 <= wall - int(issued_s) <= NONCE_TTL:
             raise FormRefused(403, "this form has expired; it is filled in again below")

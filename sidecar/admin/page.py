@@ -23,7 +23,7 @@ from sidecar.admin.fmt import when
 from sidecar.admin.formauth import FormRefused, Nonces, check_origin, check_token
 from sidecar.admin.killswitch import BadRequest, audit_lift, audit_set, check_set
 from sidecar.admin.render import REFRESH_CHOICES, Notice, View
-from sidecar.admin.server import ExtraRoute, FormRoute, error
+from sidecar.admin.server import ExtraRoute, FormRoute, error, whole_number
 from sidecar.admin.snapshot import (
     DEFAULT_WINDOW,
     WINDOWS,
@@ -87,8 +87,8 @@ def parse_view(request: web.Request) -> View:
     window = request.query.get("window", DEFAULT_WINDOW)
     if window not in WINDOWS:
         window = DEFAULT_WINDOW
-    raw = request.query.get("refresh", "")
-    refresh = int(raw) if raw.isdigit() and int(raw) in REFRESH_CHOICES else render.DEFAULT_REFRESH
+    asked = whole_number(request.query.get("refresh"))
+    refresh = asked if asked in REFRESH_CHOICES else render.DEFAULT_REFRESH
     return View(window, refresh)
 
 
@@ -102,8 +102,8 @@ def page_routes(deps: PageDeps) -> tuple[list[ExtraRoute], list[FormRoute]]:
     async def status_page(request: web.Request) -> web.Response:
         view = parse_view(request)
         st = await take(src, view.window)
-        done = request.query.get("done", "")
-        notice = deps.notices.get(int(done)) if done.isdigit() else None
+        done = whole_number(request.query.get("done"))
+        notice = deps.notices.get(done) if done is not None else None
         return html(render.status_page(st, view, notice, token_set))
 
     async def status_json(request: web.Request) -> web.Response:
@@ -240,11 +240,12 @@ def page_routes(deps: PageDeps) -> tuple[list[ExtraRoute], list[FormRoute]]:
         limit_raw = f.get("limit", "")
         if not route:
             return await replay_page(f, "Choose a route.", 400)
-        if not limit_raw.isdigit() or not 1 <= int(limit_raw) <= MAX_REPLAY:
+        limit = whole_number(limit_raw)
+        if limit is None or not 1 <= limit <= MAX_REPLAY:
             return await replay_page(f, f"The limit must be a number from 1 to {MAX_REPLAY}.", 400)
         dry_run = bool(f.get("dry_run"))
         try:
-            result = await replayer.replay_batch(route, "parked", int(limit_raw), dry_run)
+            result = await replayer.replay_batch(route, "parked", limit, dry_run)
         except Exception as exc:  # the store's errors (DlqError) say what went wrong
             log.warning("replay from the status page failed: %s", exc)
             return await replay_page(f, f"The DLQ could not be read: {exc}", 503)

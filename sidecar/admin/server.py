@@ -60,6 +60,25 @@ def error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
+def whole_number(raw: str | None, max_digits: int = 18) -> int | None:
+    """A query parameter as a whole number: ASCII digits only, at most ``max_digits`` of them
+    (18 stays within SQLite's and every other 64-bit integer); None otherwise. ``str.isdigit``
+    alone also accepts "²" and other digits int() refuses, and int() refuses more than
+    4,300 digits."""
+    if raw is None or not raw.isascii() or not raw.isdigit() or len(raw) > max_digits:
+        return None
+    return int(raw)
+
+
+def loads_json(raw: bytes) -> object:
+    """``json.loads``; a body nested deeper than the decoder recurses (60,000 ``[`` fit in
+    the admin body limit) is a ValueError like any other bad JSON, not a RecursionError."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("it nests too deeply") from None
+
+
 @dataclass
 class AdminDeps:
     store: ConfigStore
@@ -291,8 +310,8 @@ async def _json_body(request: web.Request) -> dict[str, Any] | web.Response:
     except web.HTTPRequestEntityTooLarge:
         return error(413, f"admin request bodies are limited to {MAX_ADMIN_BODY} bytes")
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = loads_json(raw)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, too deep
         return error(400, f"the body is not valid JSON: {exc}")
     if not isinstance(body, dict):
         return error(400, "the body must be a JSON object")

@@ -8,13 +8,12 @@ They exist even while no DLQ is open (a route may enable it by a reload) and ans
 from __future__ import annotations
 
 import base64
-import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from sidecar.admin.server import ExtraRoute, error, iso
+from sidecar.admin.server import ExtraRoute, error, iso, loads_json, whole_number
 from sidecar.dlq.errors import ClaimRefused, DlqError, RecordBusy, RecordNotFound
 
 if TYPE_CHECKING:
@@ -40,9 +39,8 @@ def public(rec: dict[str, Any]) -> dict[str, Any]:
 def _limit(raw: str | None, default: int) -> int | None:
     if raw is None:
         return default
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
-        return None
-    return int(raw)
+    n = whole_number(raw)
+    return n if n is not None and 1 <= n <= MAX_LIMIT else None
 
 
 def dlq_routes(opened: Opened, path: Callable[[], str]) -> list[ExtraRoute]:
@@ -70,7 +68,8 @@ def dlq_routes(opened: Opened, path: Callable[[], str]) -> list[ExtraRoute]:
         if order not in ("newest", "oldest"):
             return error(400, "order must be newest or oldest")
         cursor_raw = q.get("cursor")
-        if cursor_raw is not None and not cursor_raw.isdigit():
+        cursor = whole_number(cursor_raw)
+        if cursor_raw is not None and cursor is None:
             return error(400, "cursor must be the 'next' value of a previous page")
         try:
             rows, nxt = await store.list(
@@ -78,7 +77,7 @@ def dlq_routes(opened: Opened, path: Callable[[], str]) -> list[ExtraRoute]:
                 status=status,
                 limit=limit,
                 newest_first=order == "newest",
-                cursor=int(cursor_raw) if cursor_raw else None,
+                cursor=cursor,
             )
         except DlqError as exc:
             return error(503, str(exc))
@@ -127,8 +126,8 @@ def dlq_routes(opened: Opened, path: Callable[[], str]) -> list[ExtraRoute]:
             return unavailable()
         raw = await request.read()
         try:
-            body = json.loads(raw) if raw.strip() else {}
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            body = loads_json(raw) if raw.strip() else {}
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, too deep
             return error(400, f"the body is not valid JSON: {exc}")
         if not isinstance(body, dict):
             return error(400, "the body must be a JSON object")
