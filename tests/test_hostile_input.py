@@ -4,6 +4,7 @@ sidecar. Each must get a clear error (a config line naming the key path, a 4xx w
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -267,3 +268,53 @@ async def test_the_bearer_scheme_is_case_insensitive(
     wrong = b"Authorization: Basic " + ADMIN_TOKEN.encode() + b"\r\n"
     out = await raw_request(sc.sidecar.admin_port, _request("PUT", "/killswitch", wrong, body))
     assert out.startswith(b"HTTP/1.1 401"), out[:200]
+
+
+async def test_a_malformed_chunk_mid_body_is_a_400_at_once_and_the_upstream_is_cut(
+    sidecar_factory,
+) -> None:
+    """A chunk size that is not hex, after a streamed upload began: aiohttp's parser fails
+    the connection but not the body being read, so the body read waited out
+    body_idle_timeout and the client got a 408 (counted body-timeout) while the half-sent
+    upload held its upstream connection. nginx answers 400 at once ("client sent invalid
+    chunked body"). The upstream connection is cut, and the upload is not resent."""
+    from tests.rawhttp import raw_server, read_head
+
+    body_started = asyncio.Event()
+    upstream_saw_eof = asyncio.Event()
+    connections = 0
+
+    async def upstream(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await read_head(r)
+        while await r.read(65536):
+            body_started.set()
+        upstream_saw_eof.set()
+
+    async with raw_server(upstream) as port:
+        sc = await sidecar_factory(
+            routes_yaml(
+                f"http://127.0.0.1:{port}",
+                "    retry: {max_body_bytes: 1KiB, non_idempotent: always}",
+                # The idle timeout is far beyond the wait below: only an at-once answer passes.
+                top_extra="limits: {body_idle_timeout: 600s}",
+            )
+        )
+        r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+        try:
+            w.write(b"POST /up HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+            w.write(b"1000\r\n" + b"a" * 4096 + b"\r\n")  # over max_body_bytes: streamed
+            await w.drain()
+            await asyncio.wait_for(body_started.wait(), BOUND)
+            w.write(b"zz-not-hex\r\nboom\r\n")
+            await w.drain()
+            head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), BOUND)
+        finally:
+            w.close()
+        assert head.startswith(b"HTTP/1.1 400 "), head
+        await asyncio.wait_for(upstream_saw_eof.wait(), BOUND)
+        assert connections == 1  # never resent
+        text = sc.sidecar.metrics.render()
+        assert 'retry_sidecar_malformed_requests_total{reason="malformed"} 1' in text
+        assert "body-timeout" not in text

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from aiohttp import ClientPayloadError, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 READ_CHUNK = 64 * 1024
 
@@ -20,6 +21,10 @@ class BodyTooLarge(Exception):
 
 class BodyStalled(Exception):
     pass
+
+
+class BodyMalformed(Exception):
+    """The request body broke its framing (a chunk size that is not hex): a 400."""
 
 
 class ClientGone(Exception):
@@ -34,6 +39,8 @@ async def _read(request: web.BaseRequest, n: int, idle: float) -> bytes:
             return await request.content.read(n)
     except TimeoutError:
         raise BodyStalled(f"the request body stalled for {idle:g}s") from None
+    except HttpProcessingError as exc:  # set on the body by the server (proxy/server.py)
+        raise BodyMalformed(f"the request body is malformed: {exc.message}") from None
     except (ConnectionError, ClientPayloadError) as exc:
         raise ClientGone(f"the client left during its upload: {exc}") from None
 

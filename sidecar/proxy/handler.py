@@ -23,7 +23,14 @@ from sidecar.dlq.record import WRITE_METHODS, KeptBody
 from sidecar.engine.loop import SequenceResult
 from sidecar.engine.sequence import Exchange, Sequence
 from sidecar.proxy import forward
-from sidecar.proxy.body import BodyStalled, BodyStream, BodyTooLarge, ClientGone, read_prefix
+from sidecar.proxy.body import (
+    BodyMalformed,
+    BodyStalled,
+    BodyStream,
+    BodyTooLarge,
+    ClientGone,
+    read_prefix,
+)
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.respond import (
     MESSAGES,
@@ -176,6 +183,11 @@ class ProxyHandler:
             resp408 = client_error(408, str(stalled))
             resp408.force_close()
             return self._finish(request, route, start, resp408, Fate.NOT_RETRYABLE, 0, None, span)
+        except BodyMalformed as malformed:
+            deps.malformed("malformed")
+            resp400 = client_error(400, str(malformed))
+            resp400.force_close()  # the connection's framing is lost
+            return self._finish(request, route, start, resp400, Fate.NOT_RETRYABLE, 0, None, span)
         except ClientGone:
             # The client aborted its upload: nobody to answer, nothing to blame upstream for.
             self._gone(request, route, start, span)

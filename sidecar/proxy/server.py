@@ -132,6 +132,15 @@ class GuardedRequestHandler(RequestHandler):
                     self._guard.header_timeout(), self._head_timed_out
                 )
         else:
+            first = self._messages[before][0]
+            if last is not None and not last.is_eof() and isinstance(first, _ErrInfo):
+                # Not a new request: the body being read is malformed (a chunk size that is
+                # not hex). aiohttp queues it as a request to refuse but leaves that body
+                # waiting for bytes that never come; fail the body instead, so its reader
+                # answers 400 now rather than 408 when body_idle_timeout runs out.
+                del self._messages[before]
+                last.set_exception(first.exc)
+                return
             # A whole head was parsed (or rejected): the deadline is met.
             self.in_request = True
             self._cancel_head_timer()
