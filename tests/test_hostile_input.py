@@ -318,3 +318,41 @@ async def test_a_malformed_chunk_mid_body_is_a_400_at_once_and_the_upstream_is_c
         text = sc.sidecar.metrics.render()
         assert 'retry_sidecar_malformed_requests_total{reason="malformed"} 1' in text
         assert "body-timeout" not in text
+
+
+async def test_a_backtracking_path_regex_cannot_freeze_the_process(
+    upstream_factory, tmp_path: Path
+) -> None:
+    """``/(a+)+b`` against ``/aaaa...a``: Python's re tries every way to split the a's (2^n
+    steps: 26 of them froze the event loop 2 s, 40 for hours: every request and /healthz
+    stalled). path_regex is matched with RE2, whose time is linear in the path, as Envoy's
+    safe_regex is."""
+    from tests.proc import SidecarProcess, free_port
+
+    up = await upstream_factory(reply(200, b"the other route"))
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(f"""version: 1
+listen: "127.0.0.1:{port}"
+admin: {{listen: "127.0.0.1:{admin}"}}
+routes:
+  - name: evil
+    match: {{path_regex: "/(a+)+b"}}
+    upstream: "http://127.0.0.1:1"
+  - name: rest
+    upstream: "{up.url}"
+""")
+    proc = SidecarProcess(cfg)
+    proc.start()
+    try:
+        await proc.wait_port(port, admin)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=BOUND)) as s:
+            async with s.get(f"http://127.0.0.1:{port}/" + "a" * 64) as resp:
+                assert resp.status == 200
+                assert await resp.read() == b"the other route"
+            async with s.get(f"http://127.0.0.1:{port}/aaab") as resp:
+                assert resp.headers["x-retry-proxy-error"] == "connect-failure"  # evil matched
+            async with s.get(f"http://127.0.0.1:{admin}/healthz") as resp:
+                assert resp.status == 200
+    finally:
+        proc.terminate(timeout=5)  # the old code's loop never gets to the signal: killed

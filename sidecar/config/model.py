@@ -7,9 +7,8 @@ whole new ``Config`` and swaps one reference (see ``store``).
 from __future__ import annotations
 
 import ipaddress
-import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 BackoffStrategy = Literal[
     "full_jitter", "equal_jitter", "decorrelated_jitter", "exponential", "constant"
@@ -144,11 +143,20 @@ class RouteDlq:
     drop_headers: frozenset[str] = frozenset()
 
 
+class PathPattern(Protocol):
+    """A compiled ``path_regex`` (RE2's, see config/parse.py): its source and a full match."""
+
+    @property
+    def pattern(self) -> str: ...
+
+    def fullmatch(self, text: str) -> object | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Match:
     path: str | None = None
     path_prefix: str | None = None
-    path_regex: re.Pattern[str] | None = None
+    path_regex: PathPattern | None = None
     methods: frozenset[str] | None = None
     # (lower-case header name, exact value) pairs; all must be present.
     headers: tuple[tuple[str, str], ...] = ()
