@@ -198,6 +198,7 @@ def _request(method: str, target: str, headers: bytes = b"", body: bytes = b"") 
         ("GET", "/?done=%C2%B2", b"", b"", 200),
         ("GET", f"/?done={HUGE_INT}", b"", b"", 200),
         ("POST", "/ui/killswitch", FORM, b"nonce=1.x.%C3%A9&token=s3cret-token", 403),
+        ("POST", "/ui/dlq/replay", FORM, b"\xff", 400),  # a form body that is not UTF-8
     ],
     ids=[
         "killswitch-deep-json",
@@ -214,6 +215,7 @@ def _request(method: str, target: str, headers: bytes = b"", body: bytes = b"") 
         "page-done-superscript",
         "page-done-huge",
         "form-nonce-not-ascii",
+        "form-body-not-utf8",
     ],
 )
 async def test_hostile_admin_calls_get_a_clear_answer_never_a_500(

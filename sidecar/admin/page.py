@@ -278,7 +278,10 @@ async def _accept(
         return exc
     if request.content_type != FORM_TYPE:
         return FormRefused(415, f"a form post must be {FORM_TYPE}")
-    raw = await request.post()
+    try:
+        raw = await request.post()
+    except ValueError:  # UnicodeDecodeError: the form's bytes are not UTF-8
+        return FormRefused(400, "the form is not UTF-8")
     form: Form = {k: v for k, v in raw.items() if isinstance(v, str)}
     try:
         deps.nonces.use(form.get("nonce", ""), deps.sources.clock.wall())
