@@ -358,3 +358,32 @@ routes:
                 assert resp.status == 200
     finally:
         proc.terminate(timeout=5)  # the old code's loop never gets to the signal: killed
+
+
+async def test_a_malformed_chunk_after_the_answer_was_sent_logs_no_traceback(
+    sidecar_factory, caplog
+) -> None:
+    """The sidecar answered before reading the body (no route matches) and the client goes on
+    sending it, then breaks its chunked framing: aiohttp reads the rest of the body away after
+    the answer, and the malformed chunk must not fail that read (aiohttp logged it as an
+    "Unhandled exception" with a traceback). The connection just ends, as before."""
+    sc = await sidecar_factory(routes_yaml("http://127.0.0.1:9", "    match: {path_prefix: /only}"))
+    r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+    try:
+        w.write(
+            b"POST /elsewhere HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"5\r\nhello\r\n"
+        )
+        await w.drain()
+        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), BOUND)
+        assert head.startswith(b"HTTP/1.1 404 ")
+        # The client's FIN right behind it: the connection ends at once (not after aiohttp's
+        # 10 s of lingering), and only after the malformed chunk was read.
+        w.write(b"zz-not-hex\r\nboom\r\n")
+        w.write_eof()
+        rest = await asyncio.wait_for(r.read(), BOUND)  # until the connection ends
+    finally:
+        w.close()
+    assert rest == b'{"error": "no route matches POST /elsewhere"}'  # the 404's body, no more
+    assert "Unhandled exception" not in caplog.text
+    assert "Traceback" not in caplog.text

@@ -133,11 +133,19 @@ class GuardedRequestHandler(RequestHandler):
                 )
         else:
             first = self._messages[before][0]
-            if last is not None and not last.is_eof() and isinstance(first, _ErrInfo):
-                # Not a new request: the body being read is malformed (a chunk size that is
-                # not hex). aiohttp queues it as a request to refuse but leaves that body
-                # waiting for bytes that never come; fail the body instead, so its reader
-                # answers 400 now rather than 408 when body_idle_timeout runs out.
+            if (
+                self.in_request
+                and last is not None
+                and not last.is_eof()
+                and isinstance(first, _ErrInfo)
+            ):
+                # Not a new request: the body the handler is reading is malformed (a chunk
+                # size that is not hex). aiohttp queues it as a request to refuse but leaves
+                # that body waiting for bytes that never come; fail the body instead, so its
+                # reader answers 400 now rather than 408 when body_idle_timeout runs out.
+                # (Once the handler has answered, aiohttp reads the rest of the body away
+                # itself, and an error there would escape as a traceback: left to aiohttp,
+                # which answers the queued 400.)
                 del self._messages[before]
                 last.set_exception(first.exc)
                 return
