@@ -101,6 +101,7 @@ class Sidecar:
         self.kill = KillSwitch()
         apply_file(self.kill, config, self.clock.monotonic(), self.clock.wall())
         self.life = Lifecycle()
+        self.kill.on_set(self.life.nudge_sleepers)
         self.client = UpstreamClient(pool or config.upstream_pool)
         self.tracing = tracing or Tracing(None)
         self.deps = ProxyDeps(

@@ -118,10 +118,17 @@ class AttemptTimeout(UpstreamError):
 
 class RetryStopped(UpstreamError):
     """A retry was due but the kill switch was set during its backoff: the sequence ends with
-    the last attempt's failure, whose response was already let go."""
+    the last attempt's failure, whose response was already let go. Nothing broke on the wire:
+    the upstream answered (``received_status``, RFC 9209's ``received-status``) with a failure
+    the policy retries, so the next hop counts as unavailable for now."""
 
     code = "kill-switch"
     status = 503
+    proxy_status = "destination_unavailable"
+
+    def __init__(self, message: str = "", received_status: int | None = None) -> None:
+        super().__init__(message)
+        self.received_status = received_status
 
 
 class NoTimeLeft(AttemptTimeout):

@@ -1,5 +1,5 @@
 """Process lifecycle shared by the proxy and the admin side: ready, draining, backoff sleeps
-that a drain can cut short."""
+that a drain can cut short and a kill switch can nudge."""
 
 from __future__ import annotations
 
@@ -10,30 +10,38 @@ class Lifecycle:
     def __init__(self) -> None:
         self.ready = False
         self.draining = False
-        self._sleepers: set[asyncio.Future[None]] = set()
+        self._sleepers: set[asyncio.Future[bool]] = set()
 
     def start_drain(self) -> None:
         self.draining = True
         self.ready = False
         for fut in list(self._sleepers):
             if not fut.done():
-                fut.set_result(None)
+                fut.set_result(False)
 
-    async def sleep(self, delay: float) -> None:
-        """Sleep ``delay`` seconds, or less if a drain starts meanwhile."""
+    def nudge_sleepers(self) -> None:
+        """Wake every backoff sleep early (a kill switch was set): each sleeper asks whether
+        it still has a reason to wait, and sleeps the rest of its delay if so."""
+        for fut in list(self._sleepers):
+            if not fut.done():
+                fut.set_result(True)
+
+    async def sleep(self, delay: float) -> bool:
+        """Sleep ``delay`` seconds, or less if a drain starts meanwhile. True when the sleep
+        was nudged (``nudge_sleepers``) before its time."""
         if self.draining or delay <= 0:
-            return
+            return False
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
+        fut: asyncio.Future[bool] = loop.create_future()
         handle = loop.call_later(delay, _wake, fut)
         self._sleepers.add(fut)
         try:
-            await fut
+            return await fut
         finally:
             handle.cancel()
             self._sleepers.discard(fut)
 
 
-def _wake(fut: asyncio.Future[None]) -> None:
+def _wake(fut: asyncio.Future[bool]) -> None:
     if not fut.done():
-        fut.set_result(None)
+        fut.set_result(False)

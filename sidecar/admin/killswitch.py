@@ -116,6 +116,16 @@ class KillSwitch:
     def __init__(self) -> None:
         self._admin: dict[str, Switch] = {}
         self._file: dict[str, Switch] = {}
+        # Called when a switch is set (admin or file): backoff sleeps ask again whether their
+        # retry may still be sent (Lifecycle.nudge_sleepers).
+        self._on_set: list[Callable[[], None]] = []
+
+    def on_set(self, listener: Callable[[], None]) -> None:
+        self._on_set.append(listener)
+
+    def _notify(self) -> None:
+        for listener in self._on_set:
+            listener()
 
     def set(self, scope: str, ttl: float, reason: str, who: str, now: float, wall: float) -> Switch:
         """An admin switch; setting a scope again replaces its reason and expiry."""
@@ -123,6 +133,7 @@ class KillSwitch:
             raise ValueError("ttl must be greater than 0 and at most 24h")
         sw = Switch(scope, reason, who, wall, wall + ttl, now + ttl)
         self._admin[scope] = sw
+        self._notify()
         return sw
 
     def lift(self, scope: str) -> bool:
@@ -158,6 +169,8 @@ class KillSwitch:
                 "file",
             )
         self._file = fresh
+        if fresh:
+            self._notify()
         return expired
 
     def active(self, now: float) -> list[Switch]:

@@ -62,4 +62,12 @@ class SequenceGate:
         return self._life.draining
 
     async def sleep(self, delay: float) -> None:
-        await self._life.sleep(delay)
+        """The backoff: ``delay`` seconds, ended early by a drain or by a kill switch that
+        covers this route (set while it waits: the retry it waits for will not be sent, so
+        the client is not held for nothing). A switch set for another route wakes the sleep
+        too; it then sleeps the rest of its delay."""
+        end = self._clock.monotonic() + delay
+        while await self._life.sleep(delay):
+            if self.killed():
+                return
+            delay = end - self._clock.monotonic()

@@ -262,7 +262,8 @@ class Driver:
         if not self.c.killed and self.gate.killed():
             # The kill switch was set during the backoff: the scheduled retry is not sent.
             stopped = a.error or RetryStopped(
-                f"upstream answered {a.outcome.label}; the retry was stopped by the kill switch"
+                f"upstream answered {a.outcome.label}; the retry was stopped by the kill switch",
+                a.outcome.status or None,
             )
             return SequenceResult(
                 Fate.KILL_SWITCH, self.number, None, stopped, self.hedges, a.outcome, True

@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 
 from sidecar.config.model import Config, IpNetwork, Route
-from sidecar.core import Fate, UpstreamError
+from sidecar.core import Fate, RetryStopped, UpstreamError
 from sidecar.dlq.capture import Captured, capture
 from sidecar.dlq.record import WRITE_METHODS, KeptBody
 from sidecar.engine.loop import SequenceResult
@@ -402,7 +402,8 @@ class ProxyHandler:
             if fate is Fate.DEADLINE:
                 status, code, error_type = 504, "deadline", "http_response_timeout"
             message = MESSAGES.get(code, "the sidecar could not complete the request")
-            resp = proxy_error(status, code, message, fate, result.attempts, error_type)
+            received = err.received_status if isinstance(err, RetryStopped) else None
+            resp = proxy_error(status, code, message, fate, result.attempts, error_type, received)
             _dlq_headers(resp, captured)
             return self._finish(request, route, start, resp, fate, result.attempts, code, span)
         return await self._stream(request, route, start, result, up, span, captured, seq)

@@ -35,6 +35,7 @@ PROXY_STATUS = {
     "stream-idle-timeout": "http_response_timeout",
     "bad-response": "http_protocol_error",
     "breaker-open": "destination_unavailable",
+    "kill-switch": "destination_unavailable",
     "overloaded": "connection_limit_reached",
     "pool-exhausted": "connection_limit_reached",
     "concurrency-limit": "connection_limit_reached",
@@ -51,6 +52,7 @@ MESSAGES = {
     "per-try-timeout": "the upstream did not answer within the per-try timeout",
     "deadline": "the request deadline passed before the upstream answered",
     "bad-response": "the upstream sent a response that cannot be relayed",
+    "kill-switch": "the upstream failed and the kill switch stopped the retry",
     "overloaded": "the route has no room for the request",
     "pool-exhausted": "every connection to the upstream stayed busy",
     "concurrency-limit": "the upstream is queueing: the route's concurrency limit is reached",
@@ -58,8 +60,11 @@ MESSAGES = {
 }
 
 
-def proxy_status(error_type: str | None = None) -> str:
-    return PROXY_NAME if error_type is None else f"{PROXY_NAME}; error={error_type}"
+def proxy_status(error_type: str | None = None, received_status: int | None = None) -> str:
+    value = PROXY_NAME if error_type is None else f"{PROXY_NAME}; error={error_type}"
+    if received_status is not None:
+        value += f"; received-status={received_status}"  # RFC 9209 section 2.1.4
+    return value
 
 
 class ProxyResponse(web.StreamResponse):
@@ -200,8 +205,10 @@ def proxy_error(
     fate: Fate | str,
     attempts: int,
     error_type: str | None = None,
+    received_status: int | None = None,
 ) -> web.Response:
-    """A response made by the sidecar itself, about the upstream or the route's policy."""
+    """A response made by the sidecar itself, about the upstream or the route's policy;
+    ``received_status``: the status the upstream answered, when the sidecar did not relay it."""
     fate_s = fate.value if isinstance(fate, Fate) else fate
     body = json.dumps({"error": message, "fate": fate_s, "attempts": attempts}).encode()
     return SidecarResponse(
@@ -210,7 +217,7 @@ def proxy_error(
         headers={
             "Content-Type": "application/json",
             "Proxy-Status": proxy_status(
-                error_type or PROXY_STATUS.get(code, "proxy_internal_error")
+                error_type or PROXY_STATUS.get(code, "proxy_internal_error"), received_status
             ),
             "x-retry-proxy-error": code,
             "x-retry-attempts": str(attempts),

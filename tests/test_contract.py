@@ -1,0 +1,208 @@
+"""The user-facing names checked from outside: the real ``python -m sidecar`` process and CLI,
+real upstreams on loopback. Each test here pins a place where the running product and its
+documentation (README, the example config) disagreed."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from tests.proc import SidecarProcess, free_port
+from tests.wait import until
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "config" / "sidecar.yaml"
+README = (ROOT / "README.md").read_text()
+
+# One unknown key in every section the validator knows: its error lists the keys allowed there.
+PROBE = """version: 1
+bogus_key: 1
+admin: {bogus_key: 1}
+dlq: {bogus_key: 1}
+limits: {bogus_key: 1}
+upstream_pool: {bogus_key: 1}
+defaults:
+  bogus_key: 1
+  retry:
+    bogus_key: 1
+    auto_timeout: {bogus_key: 1}
+    backoff: {bogus_key: 1}
+    retry_after: {bogus_key: 1}
+  breaker: {bogus_key: 1}
+  budget: {bogus_key: 1}
+  throttle: {bogus_key: 1}
+  hedge: {bogus_key: 1}
+  bulkhead: {bogus_key: 1}
+  dlq: {bogus_key: 1, redrive: {bogus_key: 1}}
+killswitches:
+  - {scope: global, reason: x, until: "2099-01-01T00:00:00Z", bogus_key: 1}
+routes:
+  - name: a
+    upstream: "http://127.0.0.1:1"
+    bogus_key: 1
+    match: {bogus_key: 1}
+"""
+
+
+def test_the_example_config_shows_every_key_validate_accepts(tmp_path: Path) -> None:
+    """README: "The example config/sidecar.yaml shows every key with its default". The keys
+    are taken from what ``retry-sidecar validate`` itself says is allowed in each section."""
+    probe = tmp_path / "probe.yaml"
+    probe.write_text(PROBE)
+    res = subprocess.run(
+        [sys.executable, "-m", "sidecar", "validate", str(probe)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 1, res.stdout + res.stderr
+    allowed: dict[str, list[str]] = {}
+    for line in (res.stdout + res.stderr).splitlines():
+        m = re.match(r".*:\d+: (\S*?)\.?bogus_key: unknown key \(allowed: (.*)\)$", line)
+        if m:
+            allowed[m.group(1) or "<top>"] = m.group(2).split(", ")
+    assert len(allowed) == PROBE.count("bogus_key"), res.stdout + res.stderr
+    example = EXAMPLE.read_text()
+    missing = {
+        f"{section}.{key}"
+        for section, keys in allowed.items()
+        for key in keys
+        if not re.search(rf"(^|[\s{{,#-]){re.escape(key)}:", example, re.M)
+    }
+    assert missing == set()
+    # And the example itself is valid.
+    ok = subprocess.run(
+        [sys.executable, "-m", "sidecar", "validate", str(EXAMPLE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ok.returncode == 0 and ok.stdout.startswith("OK: "), ok.stdout + ok.stderr
+
+
+def _proxy_error_codes_in_readme() -> set[str]:
+    """The x-retry-proxy-error codes README's "Headers" section lists."""
+    start = README.index("- `x-retry-proxy-error: <code>` when the sidecar made the response")
+    end = README.index("- Every response the sidecar made itself also carries")
+    return set(re.findall(r"`([a-z][a-z-]+)`", README[start:end]))
+
+
+async def test_a_kill_switch_set_during_a_backoff_answers_with_a_documented_error(
+    tmp_path: Path,
+) -> None:
+    """A retry scheduled before an SRE flips the kill switch is not sent; the client gets the
+    sidecar's own 503. Its x-retry-proxy-error code must be one README documents, its
+    Proxy-Status must not claim a broken connection (the upstream answered, with a 503), and
+    RFC 9209's ``received-status`` says what the upstream answered."""
+    seen: list[str] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        seen.append(request.path)
+        return web.Response(status=503, text="down")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    up_port = runner.addresses[0][1]
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(
+        f"""version: 1
+listen: "127.0.0.1:{port}"
+admin: {{listen: "127.0.0.1:{admin}"}}
+routes:
+  - name: main
+    upstream: "http://127.0.0.1:{up_port}"
+    timeout: 5m
+    retry: {{attempts: 3, backoff: {{strategy: constant, base: 60s, max: 60s}}}}
+"""
+    )
+    sc = SidecarProcess(cfg)
+    sc.start()
+    try:
+        await sc.wait_port(port, admin)
+        async with aiohttp.ClientSession() as client:
+            pending = asyncio.create_task(client.get(f"http://127.0.0.1:{port}/x"))
+            await until(lambda: len(seen) == 1, "the first attempt")
+            # The retry is scheduled (counted before its backoff starts): the sequence waits.
+            scheduled = False
+
+            async def retry_scheduled() -> None:
+                nonlocal scheduled
+                async with client.get(f"http://127.0.0.1:{admin}/metrics") as m:
+                    scheduled = 'retry_sidecar_retries_total{route="main"} 1' in await m.text()
+
+            for _ in range(1500):
+                await asyncio.wait_for(retry_scheduled(), 15)
+                if scheduled:
+                    break
+                await asyncio.sleep(0.01)
+            assert scheduled, "the retry was never scheduled"
+            async with client.put(
+                f"http://127.0.0.1:{admin}/killswitch",
+                json={"scope": "route:main", "ttl": "15m", "reason": "INC-1"},
+            ) as r:
+                assert r.status == 200
+            resp = await asyncio.wait_for(pending, 30)
+            body = await resp.json()
+            resp.release()
+        assert seen == ["/x"]  # the scheduled retry was not sent
+        assert resp.status == 503
+        assert resp.headers["x-retry-fate"] == "kill-switch"
+        code = resp.headers["x-retry-proxy-error"]
+        assert code == "kill-switch"
+        assert code in _proxy_error_codes_in_readme()
+        assert resp.headers["Proxy-Status"] == (
+            "retry-sidecar; error=destination_unavailable; received-status=503"
+        )
+        assert body["fate"] == "kill-switch" and body["attempts"] == 1
+        assert "kill switch" in body["error"]
+    finally:
+        sc.terminate()
+        await runner.cleanup()
+
+
+async def test_a_backoff_sleep_wakes_only_for_a_switch_that_covers_its_route() -> None:
+    """The kill switch nudges every backoff sleep; one whose route the switch does not cover
+    sleeps on, and a sleep cancelled half-way (the client left) leaves no sleeper behind."""
+    import random
+
+    from sidecar.admin.killswitch import KillSwitch
+    from sidecar.config.parse import parse_text
+    from sidecar.core import Clock
+    from sidecar.engine.gate import SequenceGate
+    from sidecar.engine.routestate import RouteStates
+    from sidecar.lifecycle import Lifecycle
+
+    config = parse_text(
+        "version: 1\nroutes:\n"
+        "  - {name: a, upstream: 'http://127.0.0.1:1', match: {path_prefix: /a}}\n"
+        "  - {name: b, upstream: 'http://127.0.0.1:1'}\n"
+    )
+    states = RouteStates()
+    states.sync(config)
+    kill, life, clock = KillSwitch(), Lifecycle(), Clock()
+    kill.on_set(life.nudge_sleepers)
+    gates = {
+        name: SequenceGate(name, states.get(name), kill, life, clock, random.Random(1))
+        for name in ("a", "b")
+    }
+    sleep_a = asyncio.create_task(gates["a"].sleep(300.0))
+    sleep_b = asyncio.create_task(gates["b"].sleep(300.0))
+    await until(lambda: len(life._sleepers) == 2, "both sleeps")
+    kill.set("route:b", 60.0, "INC-1", "test", clock.monotonic(), clock.wall())
+    await asyncio.wait_for(sleep_b, 15)  # b's retry will not be sent: its wait ends
+    await until(lambda: len(life._sleepers) == 1, "a sleeping again")
+    assert not sleep_a.done()  # a is not covered: it sleeps the rest of its delay
+    sleep_a.cancel()
+    await asyncio.gather(sleep_a, return_exceptions=True)
+    assert life._sleepers == set()
