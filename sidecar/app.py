@@ -97,6 +97,7 @@ class Sidecar:
         self.events.sinks.append(RequestLog())
         self.states = RouteStates(self._on_breaker_transition)
         self.states.sync(config)
+        self.metrics.declare_routes((r.name, r.dlq.enabled) for r in config.routes)
         self.resolver = Resolver(self.states)
         self.kill = KillSwitch()
         apply_file(self.kill, config, self.clock.monotonic(), self.clock.wall())
@@ -264,6 +265,7 @@ class Sidecar:
         bounds apply to the next record; drain_timeout to the next drain. A reload that is the
         first to enable a DLQ route opens the DLQ file (the one the process started with)."""
         self.states.sync(config)
+        self.metrics.declare_routes((r.name, r.dlq.enabled) for r in config.routes)
         self.store.swap(config)
         apply_file(self.kill, config, self.clock.monotonic(), self.clock.wall())
         if self.dlq is not None:

@@ -206,3 +206,94 @@ async def test_a_backoff_sleep_wakes_only_for_a_switch_that_covers_its_route() -
     sleep_a.cancel()
     await asyncio.gather(sleep_a, return_exceptions=True)
     assert life._sleepers == set()
+
+
+def _series(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+async def test_every_known_series_is_scraped_at_zero_before_any_traffic(tmp_path: Path) -> None:
+    """Prometheus' own advice ("avoid missing metrics"): a counter whose label values are known
+    in advance is exported at 0 from the start. A series that first appears at 1 is invisible
+    to ``increase()``/``rate()`` (nothing before it to compare with), so the chart's
+    DLQ-write alert missed the first failed write of a pod, and a route whose every request
+    failed since the start showed no success ratio (no ``fate="success"`` series) instead of
+    0 %. Checked on the real process's first scrape, with promtool when it is installed."""
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(
+        f"""version: 1
+listen: "127.0.0.1:{port}"
+admin: {{listen: "127.0.0.1:{admin}"}}
+dlq: {{path: "{tmp_path / "dlq.sqlite3"}"}}
+routes:
+  - name: orders
+    match: {{path_prefix: /orders}}
+    upstream: "http://127.0.0.1:1"
+    dlq: {{enabled: true}}
+  - name: default
+    upstream: "http://127.0.0.1:1"
+"""
+    )
+    sc = SidecarProcess(cfg)
+    sc.start()
+    try:
+        await sc.wait_port(port, admin)
+        async with (
+            aiohttp.ClientSession() as client,
+            client.get(f"http://127.0.0.1:{admin}/metrics") as resp,
+        ):
+            text = await resp.text()
+    finally:
+        sc.terminate()
+    series = _series(text)
+    p = "retry_sidecar_"
+    # The x-retry-fate values, and README's additions: throttled, overloaded, draining, and
+    # the two never sent in a header, client-gone and body-broken.
+    fates = [
+        "success",
+        "exhausted",
+        "not-retryable",
+        "non-idempotent",
+        "body-too-large",
+        "budget-exhausted",
+        "breaker-open",
+        "kill-switch",
+        "deadline",
+        "edge-owned",
+        "retry-after-too-long",
+        "throttled",
+        "overloaded",
+        "draining",
+        "client-gone",
+        "body-broken",
+    ]
+    expected = []
+    for route in ("orders", "default"):
+        expected += [f'{p}requests_total{{route="{route}",fate="{f}"}}' for f in fates]
+        expected += [f'{p}retries_total{{route="{route}"}}']
+        expected += [f'{p}retry_budget_exhausted_total{{route="{route}"}}']
+        expected += [
+            f'{p}breaker_transitions_total{{route="{route}",to="{to}"}}'
+            for to in ("closed", "half-open", "open")
+        ]
+    expected += [
+        f'{p}dlq_writes_total{{route="orders",result="{r}"}}'
+        for r in ("stored", "full", "unavailable", "body-too-large")
+    ]
+    assert {s: series.get(s) for s in expected} == dict.fromkeys(expected, 0.0)
+    # A route without the DLQ has no DLQ writes to count.
+    assert not [s for s in series if s.startswith(f'{p}dlq_writes_total{{route="default"')]
+    import shutil
+
+    promtool = shutil.which("promtool")
+    if promtool:
+        check = subprocess.run(
+            [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+        )
+        assert check.returncode == 0, check.stdout + check.stderr

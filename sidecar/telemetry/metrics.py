@@ -11,6 +11,7 @@ import math
 from bisect import bisect_left
 from collections.abc import Callable, Iterable
 
+from sidecar.core import Fate
 from sidecar.telemetry.events import (
     AttemptEnded,
     BreakerTransitioned,
@@ -20,6 +21,13 @@ from sidecar.telemetry.events import (
 )
 
 PREFIX = "retry_sidecar_"
+
+# Label values known in advance, exported at 0 for every route from the first scrape
+# (Prometheus' "avoid missing metrics"): a series that first appears at 1 is invisible to
+# increase() and rate(), which need a sample before it. Fates: every Fate, and body-broken.
+KNOWN_FATES = (*(f.value for f in Fate), "body-broken")
+BREAKER_STATES = ("closed", "half-open", "open")
+DLQ_RESULTS = ("stored", "full", "unavailable", "body-too-large")
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 Labels = tuple[tuple[str, str], ...]
@@ -213,6 +221,22 @@ class Metrics:
             lines.extend(m.render())
         return "\n".join(lines) + "\n"
 
+    def declare_routes(self, routes: Iterable[tuple[str, bool]]) -> None:
+        """Start the per-route counters of each (route name, DLQ enabled) at 0 where they
+        have no value yet; called at start and on every reload. A removed route's series
+        stay, as counters do."""
+        for route, dlq in routes:
+            labels = self._route_labels(route)
+            for counter in (self.retries, self.budget_exhausted):
+                counter.values.setdefault(labels, 0.0)
+            for fate in KNOWN_FATES:
+                self.requests.values.setdefault(self._pair(self._fate, route, "fate", fate), 0.0)
+            for to in BREAKER_STATES:
+                self.breaker_transitions.values.setdefault((("route", route), ("to", to)), 0.0)
+            if dlq:
+                for result in DLQ_RESULTS:
+                    self.dlq_writes.values.setdefault((("route", route), ("result", result)), 0.0)
+
     # -- EventSink ---------------------------------------------------------------------------
 
     def _route_labels(self, route: str) -> Labels:
@@ -236,7 +260,7 @@ class Metrics:
         self.attempt_duration.observe(self._route_labels(e.route), e.duration)
 
     def retry_scheduled(self, e: RetryScheduled) -> None:
-        self.retries.inc((("route", e.route),))
+        self.retries.inc(self._route_labels(e.route))
 
     def sequence_ended(self, e: SequenceEnded) -> None:
         self.requests.inc(self._pair(self._fate, e.route, "fate", e.fate))
