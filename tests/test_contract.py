@@ -297,3 +297,73 @@ routes:
             [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
         )
         assert check.returncode == 0, check.stdout + check.stderr
+
+
+async def test_a_pool_wait_ended_by_the_per_try_timeout_is_not_called_a_deadline(
+    tmp_path: Path,
+) -> None:
+    """A wait for a pooled connection that the attempt's per-try timeout ends is no time left
+    for that attempt; with the sequence's deadline far off, the sidecar's 504 must say
+    ``per-try-timeout`` (README's code for it), not ``deadline`` with "the request deadline
+    passed", which sends an SRE after the wrong timeout."""
+    seen: list[str] = []
+    release = asyncio.Event()
+
+    async def handle(request: web.Request) -> web.Response:
+        seen.append(request.path)
+        if request.path == "/hold":
+            await release.wait()
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.2)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    up = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(
+        f"""version: 1
+listen: "127.0.0.1:{port}"
+admin: {{listen: "127.0.0.1:{admin}"}}
+upstream_pool: {{max_connections: 1, wait_timeout: 60s}}
+defaults:
+  timeout: 5m
+  retry: {{attempts: 2, per_try_timeout: 300ms, backoff: {{strategy: constant, base: 1ms, max: 1ms}}}}
+  hedge: {{enabled: false}}
+routes:
+  - name: hold
+    match: {{path: /hold}}
+    upstream: "{up}"
+    retry: {{per_try_timeout: 5m}}
+  - name: main
+    upstream: "{up}"
+"""
+    )
+    sc = SidecarProcess(cfg)
+    sc.start()
+    try:
+        await sc.wait_port(port, admin)
+        async with aiohttp.ClientSession() as client:
+            holding = asyncio.create_task(client.get(f"http://127.0.0.1:{port}/hold"))
+            await until(lambda: seen == ["/hold"], "the one pooled connection to be busy")
+            async with client.get(f"http://127.0.0.1:{port}/x") as resp:
+                body = await resp.json()
+                status, headers = resp.status, resp.headers
+            release.set()
+            (await holding).release()
+    finally:
+        sc.terminate()
+        await runner.cleanup()
+    assert seen == ["/hold"]  # /x never got a connection
+    assert status == 504
+    assert headers["x-retry-fate"] == "exhausted"
+    assert headers["x-retry-proxy-error"] == "per-try-timeout"
+    assert headers["Proxy-Status"] == "retry-sidecar; error=http_response_timeout"
+    assert body == {
+        "error": "the upstream did not answer within the per-try timeout",
+        "fate": "exhausted",
+        "attempts": 2,
+    }

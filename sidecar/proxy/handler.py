@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 
 from sidecar.config.model import Config, IpNetwork, Route
-from sidecar.core import Fate, RetryStopped, UpstreamError
+from sidecar.core import AttemptTimeout, Fate, NoTimeLeft, RetryStopped, UpstreamError
 from sidecar.dlq.capture import Captured, capture
 from sidecar.dlq.record import WRITE_METHODS, KeptBody
 from sidecar.engine.loop import SequenceResult
@@ -401,6 +401,10 @@ class ProxyHandler:
             error_type = err.error_type if isinstance(err, UpstreamError) else err.proxy_status
             if fate is Fate.DEADLINE:
                 status, code, error_type = 504, "deadline", "http_response_timeout"
+            elif isinstance(err, NoTimeLeft):
+                # No time left for the attempt with the deadline not passed (else the fate
+                # is deadline): its per-try timeout ended it, say waiting for a connection.
+                code = AttemptTimeout.code
             message = MESSAGES.get(code, "the sidecar could not complete the request")
             received = err.received_status if isinstance(err, RetryStopped) else None
             resp = proxy_error(status, code, message, fate, result.attempts, error_type, received)
