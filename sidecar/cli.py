@@ -103,7 +103,8 @@ def cmd_dlq(args: argparse.Namespace) -> int:
     import json as _json
     from urllib.parse import urlencode
 
-    from sidecar.admin.client import call
+    from sidecar.admin.verbs import call_admin as call
+    from sidecar.admin.verbs import fail
 
     target = _admin_target(args)
     if args.dlq_verb == "list":
@@ -136,7 +137,9 @@ def cmd_dlq(args: argparse.Namespace) -> int:
             status, body = call(target, "POST", "/dlq/replay", batch, timeout=600)
     else:
         status, body = call(target, "DELETE", f"/dlq/{args.id}")
-    if args.dlq_verb == "list" and status == 200 and not args.json:
+    if not 200 <= status < 300:
+        return fail(status, body)  # on stderr, as every verb's errors: stdout stays data
+    if args.dlq_verb == "list" and not args.json:
         for r in body["records"]:
             print(
                 f"{r['id']}  {r['status']:<9} {r['route']:<16} {r['method']:<6} "
@@ -146,7 +149,7 @@ def cmd_dlq(args: argparse.Namespace) -> int:
             print(f"(more: the same command with --cursor {body['next']})")
     else:
         print(_json.dumps(body, indent=2))
-    return 0 if 200 <= status < 300 else 1
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:

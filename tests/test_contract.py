@@ -367,3 +367,28 @@ routes:
         "fate": "exhausted",
         "attempts": 2,
     }
+
+
+def test_every_admin_verb_reports_an_unreachable_sidecar_in_one_line() -> None:
+    """``dlq`` verbs, like ``status``, ``killswitch`` and ``healthcheck``, are typed during an
+    incident: a sidecar that does not answer is one line on stderr and exit 1, not a
+    traceback."""
+    admin = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    for argv in (
+        ["dlq", "list"],
+        ["dlq", "show", "1"],
+        ["dlq", "replay", "--dry-run"],
+        ["dlq", "purge", "1"],
+        ["status"],
+        ["killswitch", "list"],
+    ):
+        res = subprocess.run(
+            [sys.executable, "-m", "sidecar", *argv, "--admin", admin],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert res.returncode == 1, argv
+        assert res.stdout == "", argv
+        assert res.stderr.startswith(f"error: cannot reach the admin API at {admin}"), argv
+        assert "Traceback" not in res.stderr, argv

@@ -26,15 +26,19 @@ def _dash(s: str) -> str:
     return s.replace("—", "-")
 
 
-def _call(target: AdminTarget, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+def call_admin(
+    target: AdminTarget, method: str, path: str, body: Any = None, timeout: float = 5.0
+) -> tuple[int, Any]:
+    """An admin call; an admin API that cannot be reached ends the verb with one line on
+    stderr and exit 1 (never a traceback: these verbs are typed during an incident)."""
     try:
-        return call(target, method, path, body)
+        return call(target, method, path, body, timeout)
     except OSError as exc:
         reason = getattr(exc, "reason", exc)
         raise SystemExit(f"error: cannot reach the admin API at {target.base}: {reason}") from None
 
 
-def _fail(status: int, body: Any) -> int:
+def fail(status: int, body: Any) -> int:
     msg = body.get("error") if isinstance(body, dict) else body
     print(f"error: {status}: {msg}", file=sys.stderr)
     return 1
@@ -121,9 +125,9 @@ def print_switches(switches: list[dict[str, Any]], out: TextIO) -> None:
 
 
 def cmd_status(target: AdminTarget, window: str, as_json: bool) -> int:
-    status, body = _call(target, "GET", "/status?" + urlencode({"window": window}))
+    status, body = call_admin(target, "GET", "/status?" + urlencode({"window": window}))
     if status != 200:
-        return _fail(status, body)
+        return fail(status, body)
     if as_json:
         print(json.dumps(body, indent=2))
     else:
@@ -140,9 +144,9 @@ def cmd_killswitch(
     as_json: bool,
 ) -> int:
     if verb == "list":
-        status, body = _call(target, "GET", "/killswitch")
+        status, body = call_admin(target, "GET", "/killswitch")
         if status != 200:
-            return _fail(status, body)
+            return fail(status, body)
         if as_json:
             print(json.dumps(body, indent=2))
         elif not body["switches"]:
@@ -152,16 +156,16 @@ def cmd_killswitch(
         return 0
     assert scope is not None
     if verb == "set":
-        status, body = _call(
+        status, body = call_admin(
             target, "PUT", "/killswitch", {"scope": scope, "ttl": ttl, "reason": reason}
         )
         if status != 200:
-            return _fail(status, body)
+            return fail(status, body)
         print(f"retries off for {body['scope']} until {body['expires_at']}: {body['reason']}")
         return 0
-    status, body = _call(target, "DELETE", "/killswitch?" + urlencode({"scope": scope}))
+    status, body = call_admin(target, "DELETE", "/killswitch?" + urlencode({"scope": scope}))
     if status != 200:
-        return _fail(status, body)
+        return fail(status, body)
     print(f"lifted {body['lifted']}")
     for s in body.get("remaining", []):
         print(f"still active from the {s['source']}: {s['scope']} until {s['expires_at']}")
