@@ -392,3 +392,48 @@ def test_every_admin_verb_reports_an_unreachable_sidecar_in_one_line() -> None:
         assert res.stdout == "", argv
         assert res.stderr.startswith(f"error: cannot reach the admin API at {admin}"), argv
         assert "Traceback" not in res.stderr, argv
+
+
+async def test_proxy_status_of_intermediaries_further_down_reaches_the_client(
+    tmp_path: Path,
+) -> None:
+    """RFC 9209: ``Proxy-Status`` is an end-to-end list, one member per intermediary that
+    handled the response, closest to the origin first; it is not hop-by-hop like
+    ``Proxy-Connection`` or ``Proxy-Authenticate``. The sidecar dropped it with every
+    ``Proxy-*`` field, so a 503 that an inner sidecar (or Envoy) made itself reached the
+    client with no trace of who made it. nginx and Envoy pass it on."""
+    from tests.rawhttp import canned, raw_request, raw_server
+
+    inner = (
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n"
+        b"Proxy-Status: retry-sidecar; error=destination_unavailable\r\n"
+        b"Proxy-Authenticate: Basic realm=x\r\n"
+        b"x-retry-proxy-error: breaker-open\r\n\r\ndown"
+    )
+    async with raw_server(canned(inner)) as up_port:
+        port, admin = free_port(), free_port()
+        cfg = tmp_path / "sidecar.yaml"
+        cfg.write_text(
+            f"""version: 1
+listen: "127.0.0.1:{port}"
+admin: {{listen: "127.0.0.1:{admin}"}}
+routes:
+  - name: main
+    upstream: "http://127.0.0.1:{up_port}"
+"""
+        )
+        sc = SidecarProcess(cfg)
+        sc.start()
+        try:
+            await sc.wait_port(port, admin)
+            out = await raw_request(
+                port, b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
+            )
+        finally:
+            sc.terminate()
+    head = out.split(b"\r\n\r\n", 1)[0].lower()
+    assert head.startswith(b"http/1.1 503")
+    assert b"\r\nproxy-status: retry-sidecar; error=destination_unavailable" in head
+    assert b"proxy-authenticate" not in head  # hop-by-hop: for the next client only
+    # The sidecar further down refused: relayed as such, once, with this sidecar's fate.
+    assert b"x-retry-fate: breaker-open" in head and b"x-retry-attempts: 1" in head

@@ -23,6 +23,7 @@ SPECIAL = st.sampled_from(
         "transfer-encoding",
         "upgrade",
         "proxy-authorization",
+        "proxy-status",
         "x-retry-edge",
         "x-retry-attempt",
         "x-request-timeout-ms",
@@ -68,7 +69,8 @@ def test_response_headers_drop_hop_by_hop_and_connection_named(raw):
     named = forward.connection_named(raw)
     for k, _ in out:
         lk = k.lower()
-        assert lk not in forward.HOP_BY_HOP and lk not in named and not lk.startswith(b"proxy-")
+        assert lk not in forward.HOP_BY_HOP and lk not in named
+        assert lk == b"proxy-status" or not lk.startswith(b"proxy-")  # RFC 9209: end to end
         assert lk not in forward.OWN_RESPONSE
     # Bytes are copied as they came (obs-text included), in their order.
     kept = [(k, v) for k, v in raw if (k, v) in out]
@@ -155,7 +157,7 @@ def test_one_pass_response_headers_equal_the_two_pass_form(raw):
         if not (
             k.lower() in forward.HOP_BY_HOP
             or k.lower() in named
-            or k.lower().startswith(b"proxy-")
+            or (k.lower().startswith(b"proxy-") and k.lower() != b"proxy-status")
             or k.lower() in forward.OWN_RESPONSE
         )
     ]

@@ -45,6 +45,10 @@ OWN_RESPONSE = frozenset(
         b"x-retry-hedges",
     }
 )
+# RFC 9209: an end-to-end list to which each intermediary that handles a response adds its
+# member (closest to the origin first), so it is relayed, unlike the hop-by-hop Proxy-*
+# fields (Proxy-Connection, Proxy-Authenticate, Proxy-Authorization).
+PROXY_STATUS = b"proxy-status"
 # Never removed because ``Connection`` names them: without Host an HTTP/1.1 request is
 # invalid (RFC 9112 section 3.2), and Content-Length frames the relayed body.
 PROTECTED = frozenset({b"host", b"content-length"})
@@ -203,7 +207,7 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, by
             if named is None:
                 named = []
             named.append(v)
-        elif not (_is_hop(lk, _NOTHING) or lk in OWN_RESPONSE):
+        elif lk == PROXY_STATUS or not (_is_hop(lk, _NOTHING) or lk in OWN_RESPONSE):
             out.append((k, v))
     if named is not None:
         out = _drop_named(out, named)
