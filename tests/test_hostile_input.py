@@ -457,3 +457,24 @@ async def test_a_malformed_chunk_after_the_answer_was_sent_logs_no_traceback(
     assert rest == b'{"error": "no route matches POST /elsewhere"}'  # the 404's body, no more
     assert "Unhandled exception" not in caplog.text
     assert "Traceback" not in caplog.text
+
+
+@pytest.mark.parametrize("values", [("200", "5000"), ("5000", "200"), ("5000, 200",)])
+async def test_a_repeated_propagated_deadline_takes_the_smallest(
+    upstream_factory, sidecar_factory, values: tuple[str, ...]
+) -> None:
+    """``x-request-timeout-ms`` sent twice (or as a comma list) by a trusted peer: each value is
+    a bound some caller set, so the smallest holds. The last line won before (and a comma list
+    was ignored): the 200 ms bound was lost whenever it came first."""
+    up = await upstream_factory(reply(200))
+    sc = await sidecar_factory(routes_yaml(up.url, "    timeout: 10s"))
+    r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+    try:
+        lines = b"".join(b"x-request-timeout-ms: %s\r\n" % v.encode() for v in values)
+        w.write(b"GET /x HTTP/1.1\r\nHost: x\r\n" + lines + b"\r\n")
+        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), BOUND)
+    finally:
+        w.close()
+    assert head.startswith(b"HTTP/1.1 200 ")
+    [sent] = up.seen[0].all("x-request-timeout-ms")  # what the sidecar passed on upstream
+    assert 0 < int(sent) <= 200
