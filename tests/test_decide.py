@@ -175,5 +175,9 @@ def test_deadline_takes_the_smaller_of_route_and_propagated():
     assert Deadline.start(100.0, 10.0, 2500).at == 102.5
     assert Deadline.start(100.0, 1.0, 2500).at == 101.0
     assert parse_timeout_ms("1500") == 1500
-    for bad in (None, "", "-1", "1.5", "abc", "9" * 40):
+    for bad in (None, "", "-1", "1.5", "abc", "9" * 40, ",", "abc, -1"):
         assert parse_timeout_ms(bad) is None
+    # Repeated lines, joined: the smallest well-formed value is the bound.
+    assert parse_timeout_ms("1500, 800") == 800
+    assert parse_timeout_ms("abc,1200 , 900") == 900
+    assert parse_timeout_ms("99999999999,5") == 5

@@ -61,6 +61,23 @@ def _nothing_kept(sc: Running) -> None:
     assert all(p.total == p.idle for p in stats.values()), stats
 
 
+async def _get_as_a_client_that_left(sc: Running, caplog: pytest.LogCaptureFixture) -> bytes:
+    """GET /x, with the client's close put before a write by the test's patch: what the client
+    read before its connection ended. Checks the request counted client-gone (499), no internal
+    error, the upstream's success kept for the breaker, nothing held."""
+    r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+    w.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+    got = await asyncio.wait_for(r.read(), 5)  # the connection ends
+    w.close()
+    await _ended(sc)
+    assert [(e.fate, e.status) for e in sc.recorder.sequences] == [("client-gone", 499)]
+    assert "internal error" not in caplog.text
+    state = sc.sidecar.states.get("main")
+    assert state.breaker.counts(sc.sidecar.clock.monotonic()) == (1, 0)  # one success
+    _nothing_kept(sc)
+    return got
+
+
 # == defects ======================================================================================
 
 
@@ -84,16 +101,7 @@ async def test_a_client_gone_before_a_relayed_1xx_is_written_is_client_gone(
     _close_before_writing(monkeypatch, b"HTTP/1.1 103")
     async with raw_server(upstream) as port:
         sc = await sidecar_factory(routes_yaml(f"http://127.0.0.1:{port}"))
-        r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
-        w.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert await asyncio.wait_for(r.read(), 5) == b""  # closed, nothing written
-        w.close()
-        await _ended(sc)
-        assert [(e.fate, e.status) for e in sc.recorder.sequences] == [("client-gone", 499)]
-        assert "internal error" not in caplog.text
-        state = sc.sidecar.states.get("main")
-        assert state.breaker.counts(sc.sidecar.clock.monotonic()) == (1, 0)  # one success
-        _nothing_kept(sc)
+        assert await _get_as_a_client_that_left(sc, caplog) == b""  # nothing written
 
 
 async def test_a_client_gone_before_100_continue_is_counted_and_its_span_ended(
@@ -185,16 +193,7 @@ async def test_a_client_gone_during_the_relay_is_client_gone_however_it_is_notic
     up = await upstream_factory(reply(200, b"x" * size))
     sc = await sidecar_factory(routes_yaml(up.url))
     close(monkeypatch)
-    r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
-    w.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
-    await asyncio.wait_for(r.read(), 5)  # the connection ends
-    w.close()
-    await _ended(sc)
-    assert [(e.fate, e.status) for e in sc.recorder.sequences] == [("client-gone", 499)]
-    assert "internal error" not in caplog.text
-    state = sc.sidecar.states.get("main")
-    assert state.breaker.counts(sc.sidecar.clock.monotonic()) == (1, 0)  # one success
-    _nothing_kept(sc)
+    await _get_as_a_client_that_left(sc, caplog)
 
 
 async def test_a_client_gone_while_a_hedges_losers_unwind_gives_the_winners_connection_back(

@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 from sidecar.config.errors import ConfigError
+from sidecar.config.model import Config
 from sidecar.config.parse import parse_text
 from tests.conftest import reply, routes_yaml
 from tests.wait import BOUND, until
@@ -94,6 +95,75 @@ async def test_a_hostile_file_on_hot_reload_keeps_the_watcher_and_the_old_config
         lambda: sc.sidecar.store.current.route("main").retry.attempts == 3,  # type: ignore[union-attr]
         "the good edit to be loaded by the watcher",
     )
+
+
+async def test_a_parser_bug_on_hot_reload_refuses_the_file_and_keeps_the_watcher(
+    upstream_factory, sidecar_factory, client, tmp_path: Path, monkeypatch
+) -> None:
+    """Whatever input the parser has not yet learnt to turn into a config error (the test
+    stands in one with a patched parser that raises): the reload is refused like a bad file,
+    the admin reload answers 422 not 500, and the watcher lives on to load the next edit."""
+    from sidecar.config import watch
+    from sidecar.config.parse import parse_bytes
+
+    up = await upstream_factory(reply(200))
+    cfg = tmp_path / "sidecar.yaml"
+    good = routes_yaml(up.url, "    retry: {attempts: 2}")
+    cfg.write_text(good)
+    sc = await sidecar_factory(good, config_path=str(cfg), watch_interval=0.05)
+    version = sc.sidecar.store.current.sha256
+    real = parse_bytes
+
+    def buggy(raw: bytes, path: str) -> object:
+        if b"attempts: 4" in raw:
+            raise KeyError("a parser bug")
+        return real(raw, path)
+
+    monkeypatch.setattr(watch, "parse_bytes", buggy)
+    cfg.write_text(routes_yaml(up.url, "    retry: {attempts: 4}"))
+    await until(lambda: sc.sidecar.store.last_error is not None, "the refusal to be seen")
+    assert "the parser failed: KeyError" in (sc.sidecar.store.last_error or "")
+    async with client.post(f"http://127.0.0.1:{sc.sidecar.admin_port}/config/reload") as resp:
+        assert resp.status == 422
+    assert sc.sidecar.store.current.sha256 == version
+    cfg.write_text(routes_yaml(up.url, "    retry: {attempts: 3}"))
+    await until(
+        lambda: sc.sidecar.store.current.route("main").retry.attempts == 3,  # type: ignore[union-attr]
+        "the next edit to be loaded by the watcher",
+    )
+
+
+async def test_a_failure_applying_a_config_does_not_end_the_watcher(
+    upstream_factory, sidecar_factory, tmp_path: Path
+) -> None:
+    """A bug while a parsed config is applied (stood in by an apply that raises once) ended
+    the watcher task: no later edit was loaded until a restart. It is logged, and the next
+    edit is loaded."""
+    up = await upstream_factory(reply(200))
+    cfg = tmp_path / "sidecar.yaml"
+    good = routes_yaml(up.url, "    retry: {attempts: 2}")
+    cfg.write_text(good)
+    sc = await sidecar_factory(good, config_path=str(cfg), watch_interval=0.05)
+    reloader = sc.sidecar.reloader
+    assert reloader is not None
+    real = reloader._apply
+    failed: list[int] = []
+
+    def apply(new: Config) -> None:
+        if new.route("main").retry.attempts == 4 and not failed:  # type: ignore[union-attr]
+            failed.append(4)
+            raise RuntimeError("a bug applying the config")
+        real(new)
+
+    reloader._apply = apply  # type: ignore[method-assign]
+    cfg.write_text(routes_yaml(up.url, "    retry: {attempts: 4}"))
+    await until(lambda: failed == [4], "the failed apply")
+    cfg.write_text(routes_yaml(up.url, "    retry: {attempts: 3}"))
+    await until(
+        lambda: sc.sidecar.store.current.route("main").retry.attempts == 3,  # type: ignore[union-attr]
+        "the next edit to be loaded by the watcher",
+    )
+    assert "config-watch" in sc.sidecar.task_names()
 
 
 def _release_fifo(path: Path) -> None:
@@ -387,3 +457,24 @@ async def test_a_malformed_chunk_after_the_answer_was_sent_logs_no_traceback(
     assert rest == b'{"error": "no route matches POST /elsewhere"}'  # the 404's body, no more
     assert "Unhandled exception" not in caplog.text
     assert "Traceback" not in caplog.text
+
+
+@pytest.mark.parametrize("values", [("200", "5000"), ("5000", "200"), ("5000, 200",)])
+async def test_a_repeated_propagated_deadline_takes_the_smallest(
+    upstream_factory, sidecar_factory, values: tuple[str, ...]
+) -> None:
+    """``x-request-timeout-ms`` sent twice (or as a comma list) by a trusted peer: each value is
+    a bound some caller set, so the smallest holds. The last line won before (and a comma list
+    was ignored): the 200 ms bound was lost whenever it came first."""
+    up = await upstream_factory(reply(200))
+    sc = await sidecar_factory(routes_yaml(up.url, "    timeout: 10s"))
+    r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+    try:
+        lines = b"".join(b"x-request-timeout-ms: %s\r\n" % v.encode() for v in values)
+        w.write(b"GET /x HTTP/1.1\r\nHost: x\r\n" + lines + b"\r\n")
+        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), BOUND)
+    finally:
+        w.close()
+    assert head.startswith(b"HTTP/1.1 200 ")
+    [sent] = up.seen[0].all("x-request-timeout-ms")  # what the sidecar passed on upstream
+    assert 0 < int(sent) <= 200

@@ -10,6 +10,7 @@ it); the others are paths that held up and were not covered before.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import re
@@ -358,6 +359,23 @@ async def use_ok(c: Connection) -> None:
     assert c.reusable()
 
 
+@contextlib.asynccontextmanager
+async def one_connection_pool(wait_timeout: float) -> AsyncIterator[Pool]:
+    """A pool of one connection to a ``serve_ok`` upstream; closed, with the upstream, after."""
+    server = await asyncio.start_server(serve_ok, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    limits = UpstreamPool(
+        max_connections=1, wait_timeout=wait_timeout, connect_timeout=1.0, idle_timeout=4.0
+    )
+    pool = Pool(asyncio.get_running_loop(), "127.0.0.1", port, limits)
+    try:
+        yield pool
+    finally:
+        pool.close()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_a_woken_pool_waiter_is_not_overtaken_by_newcomers():
     """``Pool.release`` puts the connection in ``_idle`` and wakes the head waiter, but
     ``acquire`` takes an idle connection without looking at the queue: a caller that runs
@@ -368,32 +386,22 @@ async def test_a_woken_pool_waiter_is_not_overtaken_by_newcomers():
     served. asyncio.Semaphore refuses newcomers while waiters queue; the pool should hand the
     released connection to the woken waiter itself (or refuse barging while ``_waiters``)."""
 
-    server = await asyncio.start_server(serve_ok, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    pool = Pool(
-        asyncio.get_running_loop(),
-        "127.0.0.1",
-        port,
-        UpstreamPool(max_connections=1, wait_timeout=0.5, connect_timeout=1.0, idle_timeout=4.0),
-    )
-    try:
+    async with one_connection_pool(wait_timeout=0.5) as pool:
         conn = await pool.acquire(1.0)
-        await use_ok(conn)
-        waiter = asyncio.create_task(pool.acquire(5.0))
-        await asyncio.sleep(0.01)  # queued
-        newcomer = asyncio.create_task(pool.acquire(5.0))  # ready in the release's turn
-        pool.release(conn)
-        got = await waiter  # the released connection went to the head of the queue
-        assert not newcomer.done()  # the newcomer queues behind it
-        await use_ok(got)
-        pool.release(got)
-        conn = await newcomer  # and is served next
-        await use_ok(conn)
-    finally:
-        pool.release(conn)
-        pool.close()
-        server.close()
-        await server.wait_closed()
+        try:
+            await use_ok(conn)
+            waiter = asyncio.create_task(pool.acquire(5.0))
+            await asyncio.sleep(0.01)  # queued
+            newcomer = asyncio.create_task(pool.acquire(5.0))  # ready in the release's turn
+            pool.release(conn)
+            got = await waiter  # the released connection went to the head of the queue
+            assert not newcomer.done()  # the newcomer queues behind it
+            await use_ok(got)
+            pool.release(got)
+            conn = await newcomer  # and is served next
+            await use_ok(conn)
+        finally:
+            pool.release(conn)
 
 
 def _stray_bytes(c: Connection) -> None:
@@ -416,31 +424,21 @@ async def test_a_connection_that_goes_bad_before_its_waiter_runs_is_replaced(
     Without a second look the waiter got it anyway: ``begin`` raised ``IllegalTransition`` (an
     internal error for the client) or the request went into a closing transport. The waiter
     now drops it and connects in its slot, as ``acquire`` does with a stale idle connection."""
-    server = await asyncio.start_server(serve_ok, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    pool = Pool(
-        asyncio.get_running_loop(),
-        "127.0.0.1",
-        port,
-        UpstreamPool(max_connections=1, wait_timeout=5.0, connect_timeout=1.0, idle_timeout=4.0),
-    )
-    conn = await pool.acquire(1.0)
-    try:
-        await use_ok(conn)
-        waiter = asyncio.create_task(pool.acquire(5.0))
-        await asyncio.sleep(0.01)  # queued
-        pool.release(conn)  # handed to the waiter, which has not run yet
-        goes_bad(conn)  # the loop delivers the upstream's I/O before the waiter's turn
-        got = await waiter
-        assert got is not conn and not conn.usable()
-        await use_ok(got)  # a fresh connection, in the same slot
-        assert pool.stats().total == 1
-        conn = got
-    finally:
-        pool.release(conn)
-        pool.close()
-        server.close()
-        await server.wait_closed()
+    async with one_connection_pool(wait_timeout=5.0) as pool:
+        conn = await pool.acquire(1.0)
+        try:
+            await use_ok(conn)
+            waiter = asyncio.create_task(pool.acquire(5.0))
+            await asyncio.sleep(0.01)  # queued
+            pool.release(conn)  # handed to the waiter, which has not run yet
+            goes_bad(conn)  # the loop delivers the upstream's I/O before the waiter's turn
+            got = await waiter
+            assert got is not conn and not conn.usable()
+            await use_ok(got)  # a fresh connection, in the same slot
+            assert pool.stats().total == 1
+            conn = got
+        finally:
+            pool.release(conn)
 
 
 # == paths that held up ==========================================================================

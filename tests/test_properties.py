@@ -97,14 +97,15 @@ def _request_headers_two_passes(raw, peer, trusted):
     one filtering pass), kept here as the oracle for its one-pass form."""
     named = forward.connection_named(raw)
     out, xff, ts = [], [], []
-    edge = timeout = host = proto = fwd_host = None
+    edge = host = proto = fwd_host = None
+    timeouts: list[bytes] = []
     for k, v in raw:
         lk = k.lower()
         if lk in forward.OWN_REQUEST:
             if trusted and lk == b"x-retry-edge":
                 edge = v
             elif trusted and lk == b"x-request-timeout-ms":
-                timeout = v
+                timeouts.append(v)  # all kept, comma-joined: the smallest is the bound
         elif lk == forward.REPLAY_MARKER:
             pass
         elif lk == b"tracestate":
@@ -136,6 +137,7 @@ def _request_headers_two_passes(raw, peer, trusted):
     out.append((b"X-Forwarded-Proto", proto or b"http"))
     if fwd_host or host:
         out.append((b"X-Forwarded-Host", fwd_host or host))
+    timeout = b",".join(timeouts) if timeouts else None
     return out, edge, timeout
 
 

@@ -132,7 +132,16 @@ class Reloader:
                 raise ConfigError(
                     self.path, [ConfigIssue(0, "<file>", f"cannot read: {raw.strerror}")]
                 )
-            new = await asyncio.to_thread(parse_bytes, raw, self.path)
+            try:
+                new = await asyncio.to_thread(parse_bytes, raw, self.path)
+            except ConfigError:
+                raise
+            except Exception as bug:
+                # A parser bug, not a verdict on the file: the file is still refused, the
+                # last good config keeps serving, and the watcher lives on (one traceback).
+                log.exception("config reload (%s): the parser failed", trigger)
+                issue = ConfigIssue(0, "<file>", f"the parser failed: {type(bug).__name__}")
+                raise ConfigError(self.path, [issue]) from None
         except ConfigError as exc:
             self.store.last_error = "; ".join(exc.lines())
             self._bad_sha = hashlib.sha256(raw).hexdigest() if isinstance(raw, bytes) else None
@@ -201,4 +210,9 @@ class Reloader:
             sha = await asyncio.to_thread(file_sha256, self.path)
             if sha is None or sha == self.store.current.sha256 or sha == self._bad_sha:
                 continue
-            await self.reload("file-watch")
+            try:
+                await self.reload("file-watch")
+            except Exception:
+                # A bug applying a config must not end the watcher: logged, and the next
+                # edit is still loaded.
+                log.exception("config reload (file-watch) failed")

@@ -107,7 +107,7 @@ def request_headers(
                 if lk == b"x-retry-edge":
                     edge = v
                 elif lk == b"x-request-timeout-ms":
-                    timeout = v
+                    timeout = v if timeout is None else timeout + b"," + v  # the smallest wins
             continue
         if lk == REPLAY_MARKER:
             continue

@@ -45,10 +45,17 @@ class Deadline:
 
 
 def parse_timeout_ms(value: str | None) -> int | None:
-    """A propagated ``x-request-timeout-ms``; None when absent or malformed."""
+    """A propagated ``x-request-timeout-ms``; None when absent or malformed. Several values
+    (repeated header lines, joined with commas as RFC 9110 section 5.3 lets a recipient do):
+    the smallest well-formed one, since each is a bound some caller set."""
     if value is None:
         return None
-    v = value.strip()
-    if not v.isdigit() or not v.isascii() or len(v) > 12:
-        return None
-    return min(int(v), MAX_PROPAGATED_MS)
+    best: int | None = None
+    for member in value.split(",") if "," in value else (value,):
+        v = member.strip()
+        if not v.isdigit() or not v.isascii() or len(v) > 12:
+            continue
+        ms = int(v)
+        if best is None or ms < best:
+            best = ms
+    return None if best is None else min(best, MAX_PROPAGATED_MS)
