@@ -437,3 +437,57 @@ routes:
     assert b"proxy-authenticate" not in head  # hop-by-hop: for the next client only
     # The sidecar further down refused: relayed as such, once, with this sidecar's fate.
     assert b"x-retry-fate: breaker-open" in head and b"x-retry-attempts: 1" in head
+
+
+async def test_an_admin_path_called_with_the_wrong_method_answers_405_with_allow(
+    tmp_path: Path,
+) -> None:
+    """``curl :15000/config/reload`` (GET, where POST is meant) answered 404 "no admin
+    endpoint", as if reload did not exist. RFC 9110 section 15.5.6: a method the resource
+    does not support is 405, with an Allow header naming the ones it does; a path that does
+    not exist stays 404. Errors keep their ``{"error": ...}`` shape."""
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(
+        f"""version: 1
+listen: "127.0.0.1:{port}"
+admin: {{listen: "127.0.0.1:{admin}"}}
+routes:
+  - name: a
+    upstream: "http://127.0.0.1:1"
+"""
+    )
+    sc = SidecarProcess(cfg)
+    sc.start()
+    seen: dict[tuple[str, str], tuple[int, str | None, dict[str, str]]] = {}
+    try:
+        await sc.wait_port(port, admin)
+        async with aiohttp.ClientSession() as client:
+            for method, path in (
+                ("GET", "/config/reload"),
+                ("POST", "/healthz"),
+                ("POST", "/killswitch"),
+                ("PATCH", "/dlq/7"),
+                ("GET", "/dlq/7/replay"),
+                ("GET", "/no/such/thing"),
+            ):
+                async with client.request(method, f"http://127.0.0.1:{admin}{path}") as r:
+                    seen[method, path] = (r.status, r.headers.get("Allow"), await r.json())
+    finally:
+        sc.terminate()
+
+    def allow(value: str | None) -> set[str]:
+        return {m.strip() for m in (value or "").split(",") if m.strip()}
+
+    for key, expected in {
+        ("GET", "/config/reload"): {"POST"},
+        ("POST", "/healthz"): {"GET"},
+        ("POST", "/killswitch"): {"GET", "PUT", "DELETE"},
+        ("PATCH", "/dlq/7"): {"GET", "DELETE"},
+        ("GET", "/dlq/7/replay"): {"POST"},
+    }.items():
+        status, allowed, body = seen[key]
+        assert (status, allow(allowed) - {"HEAD"}) == (405, expected), key
+        assert set(body) == {"error"} and key[0] in body["error"], key
+    status, allowed, body = seen["GET", "/no/such/thing"]
+    assert (status, allowed, set(body)) == (404, None, {"error"})

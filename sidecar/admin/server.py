@@ -277,6 +277,19 @@ def build_admin_app(
         return web.json_response(deps.stats())
 
     async def not_found(request: web.Request) -> web.Response:
+        """No route for this method and path: 405 with Allow when the path exists with other
+        methods (RFC 9110 section 15.5.6: ``curl :15000/config/reload`` forgot -X POST, the
+        endpoint is there), else 404."""
+        allowed: set[str] = set()
+        for resource in request.app.router.resources():
+            if resource is not catch_all:
+                allowed |= (await resource.resolve(request))[1]
+        if allowed:
+            resp = error(
+                405, f"{request.path} takes {', '.join(sorted(allowed))}, not {request.method}"
+            )
+            resp.headers["Allow"] = ", ".join(sorted(allowed))
+            return resp
         return error(404, f"no admin endpoint {request.method} {request.path}")
 
     app = web.Application(middlewares=[guard], client_max_size=MAX_ADMIN_BODY)
@@ -298,7 +311,7 @@ def build_admin_app(
     for method, path, handler in forms or []:
         r.add_route(method, path, handler)
         self_checked.add(path)
-    r.add_route("*", "/{tail:.*}", not_found)
+    catch_all = r.add_route("*", "/{tail:.*}", not_found).resource
     return app
 
 
