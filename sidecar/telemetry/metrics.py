@@ -25,7 +25,7 @@ PREFIX = "retry_sidecar_"
 # Label values known in advance, exported at 0 for every route from the first scrape
 # (Prometheus' "avoid missing metrics"): a series that first appears at 1 is invisible to
 # increase() and rate(), which need a sample before it. Fates: every Fate, and body-broken.
-KNOWN_FATES = (*(f.value for f in Fate), "body-broken")
+KNOWN_FATES = (*[f.value for f in Fate], "body-broken")
 BREAKER_STATES = ("closed", "half-open", "open")
 DLQ_RESULTS = ("stored", "full", "unavailable", "body-too-large")
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
