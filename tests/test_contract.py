@@ -50,6 +50,24 @@ routes:
 """
 
 
+async def start_process(tmp_path: Path, body: str) -> tuple[SidecarProcess, int, int]:
+    """The real process, its proxy and admin API on free ports and ``body`` (the rest of the
+    YAML) after them, once both listen: the process and the two ports. The caller stops it."""
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(
+        f'version: 1\nlisten: "127.0.0.1:{port}"\nadmin: {{listen: "127.0.0.1:{admin}"}}\n{body}'
+    )
+    proc = SidecarProcess(cfg)
+    proc.start()
+    try:
+        await proc.wait_port(port, admin)
+    except BaseException:
+        proc.terminate()
+        raise
+    return proc, port, admin
+
+
 def test_the_example_config_shows_every_key_validate_accepts(tmp_path: Path) -> None:
     """README: "The example config/sidecar.yaml shows every key with its default". The keys
     are taken from what ``retry-sidecar validate`` itself says is allowed in each section."""
@@ -113,23 +131,16 @@ async def test_a_kill_switch_set_during_a_backoff_answers_with_a_documented_erro
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     up_port = runner.addresses[0][1]
-    port, admin = free_port(), free_port()
-    cfg = tmp_path / "sidecar.yaml"
-    cfg.write_text(
-        f"""version: 1
-listen: "127.0.0.1:{port}"
-admin: {{listen: "127.0.0.1:{admin}"}}
-routes:
+    sc, port, admin = await start_process(
+        tmp_path,
+        f"""routes:
   - name: main
     upstream: "http://127.0.0.1:{up_port}"
     timeout: 5m
     retry: {{attempts: 3, backoff: {{strategy: constant, base: 60s, max: 60s}}}}
-"""
+""",
     )
-    sc = SidecarProcess(cfg)
-    sc.start()
     try:
-        await sc.wait_port(port, admin)
         async with aiohttp.ClientSession() as client:
             pending = asyncio.create_task(client.get(f"http://127.0.0.1:{port}/x"))
             await until(lambda: len(seen) == 1, "the first attempt")
@@ -224,13 +235,9 @@ async def test_every_known_series_is_scraped_at_zero_before_any_traffic(tmp_path
     DLQ-write alert missed the first failed write of a pod, and a route whose every request
     failed since the start showed no success ratio (no ``fate="success"`` series) instead of
     0 %. Checked on the real process's first scrape, with promtool when it is installed."""
-    port, admin = free_port(), free_port()
-    cfg = tmp_path / "sidecar.yaml"
-    cfg.write_text(
-        f"""version: 1
-listen: "127.0.0.1:{port}"
-admin: {{listen: "127.0.0.1:{admin}"}}
-dlq: {{path: "{tmp_path / "dlq.sqlite3"}"}}
+    sc, _port, admin = await start_process(
+        tmp_path,
+        f"""dlq: {{path: "{tmp_path / "dlq.sqlite3"}"}}
 routes:
   - name: orders
     match: {{path_prefix: /orders}}
@@ -238,12 +245,9 @@ routes:
     dlq: {{enabled: true}}
   - name: default
     upstream: "http://127.0.0.1:1"
-"""
+""",
     )
-    sc = SidecarProcess(cfg)
-    sc.start()
     try:
-        await sc.wait_port(port, admin)
         async with (
             aiohttp.ClientSession() as client,
             client.get(f"http://127.0.0.1:{admin}/metrics") as resp,
@@ -322,13 +326,9 @@ async def test_a_pool_wait_ended_by_the_per_try_timeout_is_not_called_a_deadline
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     up = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    port, admin = free_port(), free_port()
-    cfg = tmp_path / "sidecar.yaml"
-    cfg.write_text(
-        f"""version: 1
-listen: "127.0.0.1:{port}"
-admin: {{listen: "127.0.0.1:{admin}"}}
-upstream_pool: {{max_connections: 1, wait_timeout: 60s}}
+    sc, port, _admin = await start_process(
+        tmp_path,
+        f"""upstream_pool: {{max_connections: 1, wait_timeout: 60s}}
 defaults:
   timeout: 5m
   retry: {{attempts: 2, per_try_timeout: 300ms, backoff: {{strategy: constant, base: 1ms, max: 1ms}}}}
@@ -340,12 +340,9 @@ routes:
     retry: {{per_try_timeout: 5m}}
   - name: main
     upstream: "{up}"
-"""
+""",
     )
-    sc = SidecarProcess(cfg)
-    sc.start()
     try:
-        await sc.wait_port(port, admin)
         async with aiohttp.ClientSession() as client:
             holding = asyncio.create_task(client.get(f"http://127.0.0.1:{port}/hold"))
             await until(lambda: seen == ["/hold"], "the one pooled connection to be busy")
@@ -411,21 +408,14 @@ async def test_proxy_status_of_intermediaries_further_down_reaches_the_client(
         b"x-retry-proxy-error: breaker-open\r\n\r\ndown"
     )
     async with raw_server(canned(inner)) as up_port:
-        port, admin = free_port(), free_port()
-        cfg = tmp_path / "sidecar.yaml"
-        cfg.write_text(
-            f"""version: 1
-listen: "127.0.0.1:{port}"
-admin: {{listen: "127.0.0.1:{admin}"}}
-routes:
+        sc, port, _admin = await start_process(
+            tmp_path,
+            f"""routes:
   - name: main
     upstream: "http://127.0.0.1:{up_port}"
-"""
+""",
         )
-        sc = SidecarProcess(cfg)
-        sc.start()
         try:
-            await sc.wait_port(port, admin)
             out = await raw_request(
                 port, b"GET /x HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
             )
@@ -446,22 +436,15 @@ async def test_an_admin_path_called_with_the_wrong_method_answers_405_with_allow
     endpoint", as if reload did not exist. RFC 9110 section 15.5.6: a method the resource
     does not support is 405, with an Allow header naming the ones it does; a path that does
     not exist stays 404. Errors keep their ``{"error": ...}`` shape."""
-    port, admin = free_port(), free_port()
-    cfg = tmp_path / "sidecar.yaml"
-    cfg.write_text(
-        f"""version: 1
-listen: "127.0.0.1:{port}"
-admin: {{listen: "127.0.0.1:{admin}"}}
-routes:
+    seen: dict[tuple[str, str], tuple[int, str | None, dict[str, str]]] = {}
+    sc, _port, admin = await start_process(
+        tmp_path,
+        """routes:
   - name: a
     upstream: "http://127.0.0.1:1"
-"""
+""",
     )
-    sc = SidecarProcess(cfg)
-    sc.start()
-    seen: dict[tuple[str, str], tuple[int, str | None, dict[str, str]]] = {}
     try:
-        await sc.wait_port(port, admin)
         async with aiohttp.ClientSession() as client:
             for method, path in (
                 ("GET", "/config/reload"),
