@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -18,7 +19,7 @@ import pytest
 from sidecar.config.errors import ConfigError
 from sidecar.config.model import Config
 from sidecar.config.parse import parse_text
-from tests.conftest import reply, routes_yaml
+from tests.conftest import Running, Upstream, reply, routes_yaml
 from tests.wait import BOUND, until
 
 BASE = """version: 1
@@ -68,16 +69,33 @@ def test_hostile_values_are_config_errors_naming_the_key(text: str, wanted: str)
     assert any(wanted in line for line in lines), lines
 
 
+async def watched_sidecar(
+    upstream_factory: Any, sidecar_factory: Any, tmp_path: Path
+) -> tuple[Upstream, Running, Path]:
+    """An in-process sidecar watching its config file (``retry: {attempts: 2}``) every 50 ms:
+    the upstream, the sidecar and the file."""
+    up = await upstream_factory(reply(200))
+    cfg = tmp_path / "sidecar.yaml"
+    good = routes_yaml(up.url, "    retry: {attempts: 2}")
+    cfg.write_text(good)
+    return up, await sidecar_factory(good, config_path=str(cfg), watch_interval=0.05), cfg
+
+
+async def the_watcher_loads_the_next_edit(up: Upstream, sc: Running, cfg: Path) -> None:
+    """The watcher is still alive: a good edit (``attempts: 3``) is loaded unasked."""
+    cfg.write_text(routes_yaml(up.url, "    retry: {attempts: 3}"))
+    await until(
+        lambda: sc.sidecar.store.current.route("main").retry.attempts == 3,  # type: ignore[union-attr]
+        "the next edit to be loaded by the watcher",
+    )
+
+
 async def test_a_hostile_file_on_hot_reload_keeps_the_watcher_and_the_old_config(
     upstream_factory, sidecar_factory, client, tmp_path: Path
 ) -> None:
     """A file the parser could not turn into a config error (a 5,000-digit integer) killed the
     file watcher: no later edit was ever loaded, and the admin reload answered 500."""
-    up = await upstream_factory(reply(200))
-    cfg = tmp_path / "sidecar.yaml"
-    good = routes_yaml(up.url, "    retry: {attempts: 2}")
-    cfg.write_text(good)
-    sc = await sidecar_factory(good, config_path=str(cfg), watch_interval=0.05)
+    up, sc, cfg = await watched_sidecar(upstream_factory, sidecar_factory, tmp_path)
     version = sc.sidecar.store.current.sha256
     admin = f"http://127.0.0.1:{sc.sidecar.admin_port}"
     cfg.write_text(routes_yaml(up.url, f"    retry: {{attempts: {HUGE_INT}}}"))
@@ -90,11 +108,7 @@ async def test_a_hostile_file_on_hot_reload_keeps_the_watcher_and_the_old_config
     async with client.get(sc.url + "/x") as resp:
         assert resp.status == 200
     # The watcher is still alive: a good edit is loaded without anyone asking.
-    cfg.write_text(routes_yaml(up.url, "    retry: {attempts: 3}"))
-    await until(
-        lambda: sc.sidecar.store.current.route("main").retry.attempts == 3,  # type: ignore[union-attr]
-        "the good edit to be loaded by the watcher",
-    )
+    await the_watcher_loads_the_next_edit(up, sc, cfg)
 
 
 async def test_a_parser_bug_on_hot_reload_refuses_the_file_and_keeps_the_watcher(
@@ -106,11 +120,7 @@ async def test_a_parser_bug_on_hot_reload_refuses_the_file_and_keeps_the_watcher
     from sidecar.config import watch
     from sidecar.config.parse import parse_bytes
 
-    up = await upstream_factory(reply(200))
-    cfg = tmp_path / "sidecar.yaml"
-    good = routes_yaml(up.url, "    retry: {attempts: 2}")
-    cfg.write_text(good)
-    sc = await sidecar_factory(good, config_path=str(cfg), watch_interval=0.05)
+    up, sc, cfg = await watched_sidecar(upstream_factory, sidecar_factory, tmp_path)
     version = sc.sidecar.store.current.sha256
     real = parse_bytes
 
@@ -126,11 +136,7 @@ async def test_a_parser_bug_on_hot_reload_refuses_the_file_and_keeps_the_watcher
     async with client.post(f"http://127.0.0.1:{sc.sidecar.admin_port}/config/reload") as resp:
         assert resp.status == 422
     assert sc.sidecar.store.current.sha256 == version
-    cfg.write_text(routes_yaml(up.url, "    retry: {attempts: 3}"))
-    await until(
-        lambda: sc.sidecar.store.current.route("main").retry.attempts == 3,  # type: ignore[union-attr]
-        "the next edit to be loaded by the watcher",
-    )
+    await the_watcher_loads_the_next_edit(up, sc, cfg)
 
 
 async def test_a_failure_applying_a_config_does_not_end_the_watcher(
@@ -139,11 +145,7 @@ async def test_a_failure_applying_a_config_does_not_end_the_watcher(
     """A bug while a parsed config is applied (stood in by an apply that raises once) ended
     the watcher task: no later edit was loaded until a restart. It is logged, and the next
     edit is loaded."""
-    up = await upstream_factory(reply(200))
-    cfg = tmp_path / "sidecar.yaml"
-    good = routes_yaml(up.url, "    retry: {attempts: 2}")
-    cfg.write_text(good)
-    sc = await sidecar_factory(good, config_path=str(cfg), watch_interval=0.05)
+    up, sc, cfg = await watched_sidecar(upstream_factory, sidecar_factory, tmp_path)
     reloader = sc.sidecar.reloader
     assert reloader is not None
     real = reloader._apply
@@ -158,11 +160,7 @@ async def test_a_failure_applying_a_config_does_not_end_the_watcher(
     reloader._apply = apply  # type: ignore[method-assign]
     cfg.write_text(routes_yaml(up.url, "    retry: {attempts: 4}"))
     await until(lambda: failed == [4], "the failed apply")
-    cfg.write_text(routes_yaml(up.url, "    retry: {attempts: 3}"))
-    await until(
-        lambda: sc.sidecar.store.current.route("main").retry.attempts == 3,  # type: ignore[union-attr]
-        "the next edit to be loaded by the watcher",
-    )
+    await the_watcher_loads_the_next_edit(up, sc, cfg)
     assert "config-watch" in sc.sidecar.task_names()
 
 
