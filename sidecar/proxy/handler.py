@@ -199,9 +199,10 @@ class ProxyHandler:
             self._gone(request, route, start, span)
             raise
         except ConnectionError:
-            # A write to the client (100 Continue, a relayed 1xx) found its transport closing:
-            # its close arrived before aiohttp's cancellation of this handler (a loop turn
-            # later). The same client that left; every scope below has given back what it held.
+            # A write to the client (100 Continue, a relayed 1xx, a whole answer written at
+            # once) found its transport closing: its close arrived before aiohttp's
+            # cancellation of this handler (a loop turn later). The same client that left;
+            # every scope below has given back what it held.
             self._gone(request, route, start, span)
             _cut_transport(request)
             return client_error(400, "the client closed the connection")
@@ -442,15 +443,9 @@ class ProxyHandler:
             # The whole body is already here (the common small response): one write.
             body = up.take_body() if up.has_body else b""
             up.release()
-            try:
-                resp.send_whole(request, body)
-            except ConnectionError:
-                # The client left after the answer came and before it went out (its close
-                # arrived, the handler's cancellation not yet): counted client-gone (nginx's
-                # 499), as when the cancellation comes first, not as an internal error. The
-                # sequence's own verdict stands (Sequence.__aexit__).
-                self._gone(request, route, start, span)
-                return resp
+            # A client whose close came before this write (ConnectionError) is counted
+            # client-gone by _handle, as every write to a client that left.
+            resp.send_whole(request, body)
             return self._finish(
                 request, route, start, resp, result.fate, result.attempts, None, span
             )
