@@ -4,6 +4,7 @@ one precise way per connection, so each upstream fault can be checked on its own
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 from collections.abc import Awaitable, Callable
@@ -30,6 +31,13 @@ async def ok(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         await read_request(r)
         w.write(OK)
         await w.drain()
+
+
+async def serve_ok(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    """``ok`` as an ``asyncio.start_server`` callback: the client leaving (or the server
+    closing) ends it quietly, not as an unhandled exception in the callback."""
+    with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+        await ok(r, w)
 
 
 async def reset_before_request(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:

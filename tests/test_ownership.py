@@ -26,7 +26,7 @@ from sidecar.retry.budget import Budget
 from sidecar.testing import FakeClock
 from sidecar.upstream.pool import Pool
 from tests.conftest import hang, reply, routes_yaml
-from tests.faults import OK, read_request
+from tests.faults import serve_ok
 from tests.wait import until
 
 # -- the bulkhead: a waiter cancelled in the same loop turn as a release ------------------------
@@ -243,16 +243,7 @@ async def test_bulkhead_resized_at_random_never_exceeds_its_size_and_ends_exact(
 
 
 async def test_pool_woken_waiter_cancelled_hands_the_connection_on():
-    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                await read_request(r)
-                w.write(OK)
-                await w.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    server = await asyncio.start_server(serve_ok, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     loop = asyncio.get_running_loop()
     pool = Pool(

@@ -33,7 +33,7 @@ from sidecar.telemetry.tracing import Tracing
 from sidecar.upstream.connection import Connection
 from sidecar.upstream.pool import Pool
 from tests.conftest import reply, routes_yaml
-from tests.faults import OK, read_request
+from tests.faults import serve_ok
 from tests.rawhttp import raw_request, raw_server, read_head
 from tests.test_ownership import open_breaker
 
@@ -335,17 +335,6 @@ async def test_body_bytes_after_an_early_answer_do_not_arm_the_head_timeout(
 
 
 # -- the pool: the hand-off to a woken waiter -----------------------------------------------------
-
-
-async def serve_ok(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-    """An upstream that answers every request on a connection with 200 "ok"."""
-    try:
-        while True:
-            await read_request(r)
-            w.write(OK)
-            await w.drain()
-    except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
-        pass
 
 
 async def use_ok(c: Connection) -> None:
