@@ -44,14 +44,17 @@ def _storm_lines(route: Route) -> list[str]:
         lines.append("  adaptive throttle: off")
     hedged = h.enabled and p.per_try_timeout is None and p.attempts > 1
     if hedged:
+        methods = ", ".join(sorted(h.methods))
         lines.append(
-            f"  hedging: an idempotent request unanswered after the per-try timeout is raced "
-            f"by another attempt (another endpoint first); budget ratio {h.ratio:g} + "
-            f"{h.min_per_second:g}/s over {format_duration(h.window)}"
+            f"  hedging: on for {methods} (never with an Idempotency-Key): a request "
+            f"unanswered after the per-try timeout is raced by another attempt (another "
+            f"endpoint first); budget ratio {h.ratio:g} + {h.min_per_second:g}/s over "
+            f"{format_duration(h.window)}"
         )
+    elif not h.enabled:
+        lines.append("  hedging: off (opt-in per route: hedge: {enabled: true})")
     else:
-        why = "off" if not h.enabled else "needs per_try_timeout: auto and attempts >= 2"
-        lines.append(f"  hedging: {why}")
+        lines.append("  hedging: off (needs per_try_timeout: auto and attempts >= 2)")
     if br.enabled:
         lines.append(
             f"  breaker: opens when >= {br.failure_ratio:g} of >= {br.min_sequences} sequences in "

@@ -47,7 +47,8 @@ def test_shipped_defaults():
     )
     assert r.budget == BudgetPolicy(0.5, 10.0, 10.0)
     assert r.throttle == ThrottlePolicy(True, 2.0, 1.0, 10)
-    assert r.hedge == HedgePolicy(True, 0.1, 1.0, 10.0)
+    # Hedging is opt-in: with shipped defaults no request is duplicated while in progress.
+    assert r.hedge == HedgePolicy(False, frozenset({"GET", "HEAD", "OPTIONS"}), 0.1, 1.0, 10.0)
     assert r.bulkhead == BulkheadPolicy(1000, 1.0, True, 5)
 
 
@@ -123,6 +124,9 @@ def test_upstream_list_errors(snippet, line):
         ("throttle: {aggression: 2}", "routes[0].throttle.aggression", "unknown key"),
         ("hedge: {ratio: -1}", "routes[0].hedge.ratio", "negative"),
         ("hedge: {delay: 10ms}", "routes[0].hedge.delay", "unknown key"),
+        ("hedge: {methods: [GET, POST]}", "routes[0].hedge.methods", "POST is not idempotent"),
+        ("hedge: {methods: [PATCH]}", "routes[0].hedge.methods", "PATCH is not idempotent"),
+        ("hedge: {methods: []}", "routes[0].hedge.methods", "non-empty list"),
         (
             "bulkhead: {max_concurrent: 10, min_concurrent: 20}",
             "routes[0].bulkhead.min_concurrent",
@@ -146,6 +150,14 @@ def test_an_open_for_above_the_inherited_maximum_raises_the_maximum():
 def test_an_inherited_min_concurrent_is_clamped_to_a_smaller_max():
     r = parse_text(MINIMAL + "    bulkhead: {max_concurrent: 2}\n").routes[0]
     assert (r.bulkhead.min_concurrent, r.bulkhead.max_concurrent) == (2, 2)
+
+
+def test_a_route_turns_hedging_on_and_lists_what_it_hedges():
+    r = parse_text(MINIMAL + "    hedge: {enabled: true, methods: [get, PUT, DELETE]}\n").routes[0]
+    assert r.hedge.enabled and r.hedge.methods == {"GET", "PUT", "DELETE"}
+    # Listing methods alone does not turn it on: the opt-in is ``enabled``.
+    r = parse_text(MINIMAL + "    hedge: {methods: [GET, PUT]}\n").routes[0]
+    assert not r.hedge.enabled
 
 
 def test_every_mechanism_can_be_switched_off_per_route():

@@ -210,7 +210,10 @@ async def test_a_client_gone_while_a_hedges_losers_unwind_gives_the_winners_conn
 
     up = await upstream_factory(hang(30.0), reply(200, b"fast"))
     sc = await sidecar_factory(
-        routes_yaml(up.url, "    retry: {auto_timeout: {min: 50ms, max: 100ms}}\n")
+        routes_yaml(
+            up.url,
+            "    retry: {auto_timeout: {min: 50ms, max: 100ms}}\n    hedge: {enabled: true}\n",
+        )
     )
     st = sc.sidecar.states.get("main")
     st.latency.ran_long(sc.sidecar.clock.monotonic())  # a recent slow attempt: hedging armed

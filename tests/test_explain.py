@@ -192,7 +192,7 @@ def test_explain_shows_every_storm_control_mechanism_and_its_off_switch():
         "allow 2, as nginx's 3 tries do)",
         "adaptive throttle: retries and hedges refused with p = (attempts - 2 x accepted)",
         "20% at 60% failing",
-        "hedging: an idempotent request unanswered after the per-try timeout is raced",
+        "hedging: off (opt-in per route: hedge: {enabled: true})",
         "breaker: opens when >= 0.95 of >= 20 sequences in 10s",
         "open 1s, doubled on each reopen up to 30s; half-open ramps traffic back over 1s",
         "concurrency: adaptive, 5..1000 upstream attempts in flight",
@@ -203,11 +203,23 @@ def test_explain_shows_every_storm_control_mechanism_and_its_off_switch():
     c = parse_text(
         "version: 1\nroutes:\n  - name: r\n    upstream: [http://a:1, http://b:2]\n"
         "    retry: {per_try_timeout: 2s}\n    throttle: {enabled: false}\n"
+        "    hedge: {enabled: true}\n"
         "    breaker: {enabled: false}\n    bulkhead: {adaptive: false}\n"
     )
     off = "\n".join(explain_route(c.routes[0]))
     assert "per-try 2s (an attempt is abandoned then)" in off
     assert "adaptive throttle: off" in off and "breaker: off" in off
-    assert "hedging: needs per_try_timeout: auto" in off
+    assert "hedging: off (needs per_try_timeout: auto and attempts >= 2)" in off
     assert "concurrency: fixed bulkhead of 1000 sequences" in off
     assert "endpoints: a:1, b:2" in off
+
+
+def test_explain_says_which_methods_a_route_hedges():
+    from sidecar.explain import explain_route
+
+    c = parse_text(
+        "version: 1\nroutes:\n  - name: r\n    upstream: http://h:1\n"
+        "    hedge: {enabled: true, methods: [GET, DELETE]}\n"
+    )
+    text = "\n".join(explain_route(c.routes[0]))
+    assert "hedging: on for DELETE, GET (never with an Idempotency-Key)" in text

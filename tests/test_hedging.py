@@ -16,7 +16,8 @@ from sidecar.retry.endpoints import EJECT_AFTER
 from tests.conftest import hang, reply, routes_yaml
 from tests.proc import free_port
 
-FAST_AUTO = "    retry: {auto_timeout: {min: 50ms, max: 100ms}}"
+# Hedging is opt-in per route: the tests of what it does turn it on.
+FAST_AUTO = "    retry: {auto_timeout: {min: 50ms, max: 100ms}}\n    hedge: {enabled: true}"
 
 
 async def until(cond: Callable[[], bool], limit: float = 5.0) -> None:
@@ -105,7 +106,8 @@ async def test_writes_are_not_hedged(upstream_factory, sidecar_factory, client):
     sc = await sidecar_factory(
         routes_yaml(
             up.url,
-            "    retry: {non_idempotent: always, auto_timeout: {min: 50ms, max: 100ms}}",
+            "    retry: {non_idempotent: always, auto_timeout: {min: 50ms, max: 100ms}}\n"
+            "    hedge: {enabled: true}",
         )
     )
     armed(sc)
@@ -115,13 +117,47 @@ async def test_writes_are_not_hedged(upstream_factory, sidecar_factory, client):
     assert len(up.seen) == 1
 
 
-async def test_hedging_can_be_switched_off(upstream_factory, sidecar_factory, client):
+async def test_hedging_is_off_unless_the_route_turns_it_on(
+    upstream_factory, sidecar_factory, client
+):
     up = await upstream_factory(hang(0.4), reply(200))
-    sc = await sidecar_factory(routes_yaml(up.url, FAST_AUTO + "\n    hedge: {enabled: false}"))
+    sc = await sidecar_factory(routes_yaml(up.url, "    retry: {auto_timeout: {min: 50ms, max: 100ms}}"))
     armed(sc)
     async with client.get(sc.url + "/x") as r:
         assert r.status == 200 and r.headers["x-retry-attempts"] == "1"
     assert len(up.seen) == 1
+
+
+async def test_a_route_that_hedges_hedges_only_safe_methods_and_never_a_keyed_request(
+    upstream_factory, sidecar_factory, client
+):
+    """With hedging on, a slow PUT or DELETE, and a GET carrying an Idempotency-Key, are not
+    duplicated while in progress (a duplicate answers 404/409/412 and may win); a plain GET is."""
+    up = await upstream_factory(hang(0.3))
+    sc = await sidecar_factory(routes_yaml(up.url, FAST_AUTO))
+    for method, headers in (("PUT", {}), ("DELETE", {}), ("GET", {"Idempotency-Key": "k1"})):
+        armed(sc)
+        before = len(up.seen)
+        async with client.request(method, sc.url + "/x", headers=headers) as r:
+            assert r.status == 200 and "x-retry-hedges" not in r.headers, method
+            assert r.headers["x-retry-attempts"] == "1"
+        assert len(up.seen) == before + 1, method
+    armed(sc)
+    async with client.get(sc.url + "/x") as r:
+        assert r.status == 200 and int(r.headers["x-retry-hedges"]) >= 1
+
+
+async def test_a_route_may_list_writes_to_hedge(upstream_factory, sidecar_factory, client):
+    up = await upstream_factory(hang(5.0), reply(204))
+    sc = await sidecar_factory(
+        routes_yaml(up.url, FAST_AUTO.replace("{enabled: true}", "{enabled: true, methods: [DELETE]}"))
+    )
+    armed(sc)
+    async with client.delete(sc.url + "/x") as r:
+        assert r.status == 204 and r.headers["x-retry-hedges"] == "1"
+    armed(sc)
+    async with client.get(sc.url + "/x") as r:  # GET is no longer listed
+        assert r.status == 204 and "x-retry-hedges" not in r.headers
 
 
 def two_upstreams_yaml(a: str, b: str, extra: str = "") -> str:

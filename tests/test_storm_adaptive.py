@@ -98,7 +98,10 @@ async def test_the_kill_switch_turns_every_adaptive_mechanism_off(
 ):
     up = await upstream_factory(hang(0.3), reply(200))
     sc = await sidecar_factory(
-        routes_yaml(up.url, "    retry: {auto_timeout: {min: 50ms, max: 100ms}}")
+        routes_yaml(
+            up.url,
+            "    retry: {auto_timeout: {min: 50ms, max: 100ms}}\n    hedge: {enabled: true}",
+        )
     )
     st = sc.sidecar.states.get("main")
     now = time.monotonic()

@@ -90,7 +90,9 @@ async def test_a_hedge_and_the_adaptive_timeout_are_in_the_spans(
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     up = await upstream_factory(hang(5.0), reply(200))
     sc = await sidecar_factory(
-        routes_yaml(up.url, "    retry: {auto_timeout: {min: 50ms, max: 100ms}}"),
+        routes_yaml(
+            up.url, "    retry: {auto_timeout: {min: 50ms, max: 100ms}}\n    hedge: {enabled: true}"
+        ),
         tracing=Tracing(provider),
     )
     import time

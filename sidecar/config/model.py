@@ -111,14 +111,27 @@ class ThrottlePolicy:
     min_requests: int = 10
 
 
+# RFC 9110 section 9.2.2 (what may be retried after its bytes may have reached the upstream).
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
+# What a route that turns hedging on hedges unless it lists more (``hedge.methods``): the safe
+# methods, whose duplicate cannot change what the winner answers.
+HEDGE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
 @dataclass(frozen=True, slots=True)
 class HedgePolicy:
-    """Hedged requests: an idempotent attempt still running when the per-try timeout expires
-    is raced by another one (preferably to another endpoint); the first answer wins and the
-    others are cancelled. Hedges draw from their own budget: at most ``ratio`` of the
-    requests in ``window`` plus ``min_per_second``."""
+    """Hedged requests, opt-in per route (as Envoy's and gRPC's): an attempt of one of
+    ``methods`` still running when the per-try timeout expires is raced by another one
+    (preferably to another endpoint); the first answer wins and the others are cancelled.
+    Never a request with an Idempotency-Key: a second copy in flight while the first runs is
+    what such a server refuses (409). RFC 9110's idempotency promises the same effect of a
+    repeated request, not the same response: a hedged DELETE or ``If-Match`` PUT whose copy
+    wins answers 404 or 412 for a write that was applied, so writes are hedged only when the
+    route lists them. Hedges draw from their own budget: at most ``ratio`` of the requests in
+    ``window`` plus ``min_per_second``."""
 
-    enabled: bool = True
+    enabled: bool = False
+    methods: frozenset[str] = HEDGE_METHODS
     ratio: float = 0.1
     min_per_second: float = 1.0
     window: float = 10.0

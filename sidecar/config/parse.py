@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from sidecar.config import killswitches, units
 from sidecar.config.errors import ConfigError, ConfigIssue
 from sidecar.config.model import (
+    IDEMPOTENT_METHODS,
     Admin,
     AutoTimeout,
     Backoff,
@@ -275,9 +276,12 @@ class _Parser:
         )
 
     def hedge(self, value: object, path: Path, base: HedgePolicy) -> HedgePolicy:
-        raw = self.mapping(value, path, ("enabled", "ratio", "min_per_second", "window"))
+        raw = self.mapping(
+            value, path, ("enabled", "methods", "ratio", "min_per_second", "window")
+        )
         return HedgePolicy(
             enabled=self.field(raw, "enabled", path, _bool, base.enabled),
+            methods=self.field(raw, "methods", path, _hedge_methods, base.methods),
             ratio=self.field(raw, "ratio", path, _non_negative_number, base.ratio),
             min_per_second=self.field(
                 raw, "min_per_second", path, _non_negative_number, base.min_per_second
@@ -850,6 +854,14 @@ def _methods(value: object) -> frozenset[str]:
             raise _Invalid(f"unknown HTTP method {m!r}")
         out.add(m.upper())
     return frozenset(out)
+
+
+def _hedge_methods(value: object) -> frozenset[str]:
+    """Idempotent methods only: a hedge is a second copy of a request still in flight."""
+    methods = _methods(value)
+    for m in sorted(methods - IDEMPOTENT_METHODS):
+        raise _Invalid(f"{m} is not idempotent: a hedge would send it twice")
+    return methods
 
 
 def _retry_on(value: object) -> RetryOn:

@@ -41,7 +41,7 @@ from sidecar.engine.head import edge_head
 from sidecar.engine.loop import Driver, SequenceResult
 from sidecar.engine.sender import AttemptSender
 from sidecar.retry.breaker import Admitted
-from sidecar.retry.classify import CUT_SHORT, IDEMPOTENT_METHODS, may_resend, verdict
+from sidecar.retry.classify import CUT_SHORT, may_resend, verdict
 from sidecar.retry.deadline import Deadline
 from sidecar.retry.decide import Constraints
 from sidecar.upstream.client import Body, UpstreamResponse
@@ -249,13 +249,15 @@ class Sequence:
             edge_owned=ex.edge is not None,
             killed=killed,
         )
-        # Hedged: an idempotent method (never a keyed POST: two copies of it in flight at once
-        # are what an Idempotency-Key server refuses), a buffered body, nobody owning retries
-        # but this sidecar, and the adaptive per-try timeout.
+        # Hedged: on a route that turns it on, a method it hedges (GET, HEAD, OPTIONS unless it
+        # lists more), never a request with an Idempotency-Key (two copies of it in flight at
+        # once are what such a server refuses), a buffered body, nobody owning retries but this
+        # sidecar, and the adaptive per-try timeout.
         hedgeable = (
             route.hedge.enabled
             and route.retry.per_try_timeout is None
-            and method in IDEMPOTENT_METHODS
+            and method in route.hedge.methods
+            and not ex.idempotency_key
             and ex.replayable
             and ex.edge is None
             and not killed

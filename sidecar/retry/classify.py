@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sidecar.config.model import RetryPolicy
+from sidecar.config.model import IDEMPOTENT_METHODS, RetryPolicy
 from sidecar.core import Fate, LocalOverload, OutcomeKind, UpstreamError, Verdict
 
 # ``x-retry-proxy-error`` codes with which a sidecar further down refused to ask its upstream:
@@ -58,9 +58,6 @@ class Outcome:
         if self.kind is OutcomeKind.RESPONSE:
             return str(self.status)
         return str(self.kind.value)
-
-
-IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 
 
 def is_retryable(policy: RetryPolicy, outcome: Outcome) -> bool:
