@@ -80,13 +80,15 @@ class FakeAttempter:
     def hedge_after(self) -> float | None:
         return None
 
-    def has_room(self) -> bool:
-        return True
+    def reserve(self) -> None:
+        return None  # never asked: this attempter is never hedged
 
     def pick(self, avoid) -> Endpoint:
         return self.endpoint
 
-    async def attempt(self, number: int, hedge: bool, endpoint: Endpoint, timeout: float):
+    async def attempt(
+        self, number: int, hedge: bool, endpoint: Endpoint, timeout: float, reserved=None
+    ):
         start = self.clock.monotonic()
         try:
             response = await self.fail(self.clock, timeout)

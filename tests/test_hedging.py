@@ -4,15 +4,31 @@ attempt, the loser is cancelled and leaves nothing behind, also when the client 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable
 
 from aiohttp import web
 
+from sidecar.admin.killswitch import KillSwitch
 from sidecar.app import Sidecar
+from sidecar.config.model import BudgetPolicy
 from sidecar.config.parse import parse_text
+from sidecar.core import Clock
+from sidecar.engine.attempter import RouteAttempter
+from sidecar.engine.attempts import AttemptSet
+from sidecar.engine.gate import SequenceGate
+from sidecar.engine.loop import Driver
 from sidecar.engine.resolve import Resolver
-from sidecar.retry.endpoints import EJECT_AFTER
+from sidecar.engine.routestate import RouteState
+from sidecar.lifecycle import Lifecycle
+from sidecar.retry.budget import Budget
+from sidecar.retry.concurrency import Ticket
+from sidecar.retry.deadline import Deadline
+from sidecar.retry.decide import Constraints
+from sidecar.retry.endpoints import EJECT_AFTER, Endpoint
+from sidecar.telemetry.events import Recorder
+from sidecar.upstream.client import UpstreamResponse
 from tests.conftest import hang, reply, routes_yaml
 from tests.proc import free_port
 
@@ -121,7 +137,9 @@ async def test_hedging_is_off_unless_the_route_turns_it_on(
     upstream_factory, sidecar_factory, client
 ):
     up = await upstream_factory(hang(0.4), reply(200))
-    sc = await sidecar_factory(routes_yaml(up.url, "    retry: {auto_timeout: {min: 50ms, max: 100ms}}"))
+    sc = await sidecar_factory(
+        routes_yaml(up.url, "    retry: {auto_timeout: {min: 50ms, max: 100ms}}")
+    )
     armed(sc)
     async with client.get(sc.url + "/x") as r:
         assert r.status == 200 and r.headers["x-retry-attempts"] == "1"
@@ -150,7 +168,9 @@ async def test_a_route_that_hedges_hedges_only_safe_methods_and_never_a_keyed_re
 async def test_a_route_may_list_writes_to_hedge(upstream_factory, sidecar_factory, client):
     up = await upstream_factory(hang(5.0), reply(204))
     sc = await sidecar_factory(
-        routes_yaml(up.url, FAST_AUTO.replace("{enabled: true}", "{enabled: true, methods: [DELETE]}"))
+        routes_yaml(
+            up.url, FAST_AUTO.replace("{enabled: true}", "{enabled: true, methods: [DELETE]}")
+        )
     )
     armed(sc)
     async with client.delete(sc.url + "/x") as r:
@@ -296,3 +316,118 @@ async def test_the_first_slow_attempt_arms_hedging(upstream_factory, sidecar_fac
         assert resp.status == 200 and "x-retry-hedges" not in resp.headers
     async with client.get(sc.url + "/x") as resp:
         assert await resp.read() == b"fast" and resp.headers["x-retry-hedges"] == "1"
+
+
+class HedgeBudgetThen(Budget):
+    """The route's hedge budget, which also runs ``then`` when a hedge asks it (the moment a
+    hedge is being decided, in the driver's turn)."""
+
+    def __init__(self, policy: BudgetPolicy, then: Callable[[], object]) -> None:
+        super().__init__(policy)
+        self.then = then
+
+    def try_retry(self, now: float) -> bool:
+        self.then()
+        return super().try_retry(now)
+
+
+async def slow_503(request: web.Request) -> web.StreamResponse:
+    await asyncio.sleep(0.3)
+    return web.Response(status=503)
+
+
+async def test_a_hedge_counts_only_if_it_leaves(upstream_factory, sidecar_factory, client):
+    """Finding 5: the limit was asked whether there was room when a hedge was decided, and the
+    hedge took its ticket a loop turn later in its own task; another request taking the last
+    ticket in between (here: scheduled in the deciding turn) refused it after it had been
+    counted. The answer said 2 attempts after 1 upstream call, and the retry the policy allows
+    after the original's 503 was never made. The ticket is now taken when the hedge is decided:
+    what is counted is what left."""
+    up = await upstream_factory(slow_503, reply(200, b"second"))
+    sc = await sidecar_factory(
+        routes_yaml(
+            up.url,
+            FAST_AUTO.replace("retry: {", "retry: {attempts: 2, ")
+            + "\n    bulkhead: {max_concurrent: 2, min_concurrent: 2}",
+        )
+    )
+    st = sc.sidecar.states.get("main")
+    taken: list[Ticket] = []
+
+    def another_request_takes_what_is_left() -> None:
+        while (t := st.limiter.try_acquire(time.monotonic())) is not None:
+            taken.append(t)
+
+    loop = asyncio.get_running_loop()
+    st.hedge_budget = HedgeBudgetThen(
+        st.hedge_budget.policy, lambda: loop.call_soon(another_request_takes_what_is_left)
+    )
+    armed(sc)
+    try:
+        async with client.get(sc.url + "/x") as r:
+            assert await r.read() == b"second"
+            assert r.headers["x-retry-attempts"] == str(len(up.seen)) == "2"
+    finally:
+        for t in taken:
+            st.limiter.release(time.monotonic(), t, None)
+    assert [h.result for h in sc.recorder.hedges] == ["sent", "won"]
+    await until(lambda: st.limiter.in_flight == 0 and attempt_tasks() == [])
+
+
+async def test_a_hedge_cancelled_before_it_ran_gives_its_ticket_back() -> None:
+    """The hedge's ticket is taken in the deciding turn and its task starts a turn later; a
+    scope left in between (the client gone, a winner, the deadline) cancels the task before its
+    first step, so the attempt's ``finally`` never runs: the ticket must come back all the
+    same, and the attempt never reaches the wire."""
+    route = parse_text(routes_yaml("http://127.0.0.1:9", FAST_AUTO), "<t>").routes[0]
+    st = RouteState(route, None)
+    clock = Clock()
+    sent: list[int] = []
+
+    async def send(
+        number: int, timeout: float, endpoint: Endpoint, hedge: bool
+    ) -> UpstreamResponse:
+        sent.append(number)
+        raise AssertionError("a cancelled hedge reached the wire")
+
+    attempter = RouteAttempter(route, st, send, clock, Recorder(), hedgeable=True, adaptive=True)
+    driver = Driver(
+        route,
+        attempter,
+        Deadline.start(clock.monotonic(), 10.0),
+        Constraints(),
+        clock,
+        random.Random(1),
+        Recorder(),
+        SequenceGate("main", st, KillSwitch(), Lifecycle(), clock, random.Random(1)),
+    )
+    async with AttemptSet() as running:
+        assert driver.maybe_hedge(running, report=True)
+        assert st.limiter.in_flight == 1  # reserved in this turn
+    # Left before the task ran: cancelled at its first step, its done-callback gave back.
+    assert st.limiter.in_flight == 0 and sent == []
+    assert (driver.number, driver.hedges) == (1, 1)
+
+
+async def test_a_hedge_the_pool_refuses_counts_for_nothing(upstream_factory, sidecar_factory, client):
+    """A hedge that waited for a pooled connection in vain (``wait_timeout``) never left: it is
+    no attempt and no hedge, so the retry the policy allows after the original's 503 is made."""
+
+    async def slower_503(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(0.5)
+        return web.Response(status=503)
+
+    up = await upstream_factory(slower_503, reply(200, b"retried"))
+    sc = await sidecar_factory(
+        routes_yaml(
+            up.url,
+            FAST_AUTO.replace("retry: {", "retry: {attempts: 2, "),
+            top_extra="upstream_pool: {max_connections: 1, wait_timeout: 100ms}",
+        )
+    )
+    armed(sc)
+    async with client.get(sc.url + "/x") as r:
+        assert await r.read() == b"retried"
+        assert r.headers["x-retry-attempts"] == str(len(up.seen)) == "2"
+        assert "x-retry-hedges" not in r.headers
+    assert [a.outcome for a in sc.recorder.attempts][:1] == ["pool-exhausted"]

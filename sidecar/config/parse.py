@@ -276,9 +276,7 @@ class _Parser:
         )
 
     def hedge(self, value: object, path: Path, base: HedgePolicy) -> HedgePolicy:
-        raw = self.mapping(
-            value, path, ("enabled", "methods", "ratio", "min_per_second", "window")
-        )
+        raw = self.mapping(value, path, ("enabled", "methods", "ratio", "min_per_second", "window"))
         return HedgePolicy(
             enabled=self.field(raw, "enabled", path, _bool, base.enabled),
             methods=self.field(raw, "methods", path, _hedge_methods, base.methods),

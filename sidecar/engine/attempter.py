@@ -23,6 +23,7 @@ from sidecar.core import (
 )
 from sidecar.engine.attempted import Attempted
 from sidecar.engine.loop import outcome_of
+from sidecar.engine.reservation import Reservation
 from sidecar.engine.routestate import RouteState
 from sidecar.retry.classify import REFUSED_BELOW, Outcome, accepted
 from sidecar.retry.concurrency import Ticket
@@ -84,22 +85,33 @@ class RouteAttempter:
             return None
         return self._auto(now)
 
-    def has_room(self) -> bool:
+    def reserve(self) -> Reservation | None:
+        """A ticket of the concurrency limit for a hedge, taken now (in the turn that decides
+        it); None when there is no room."""
         lim = self._state.limiter
-        return not self._limit or lim.in_flight < int(lim.limit)
+        if not self._limit:
+            return Reservation(lim, None, self._clock)
+        ticket = lim.try_acquire(self._clock.monotonic())
+        return None if ticket is None else Reservation(lim, ticket, self._clock)
 
     def pick(self, avoid: Sequence[Endpoint]) -> Endpoint:
         return self._state.endpoints.pick(self._clock.monotonic(), avoid)
 
     async def attempt(
-        self, number: int, hedge: bool, endpoint: Endpoint, timeout: float
+        self,
+        number: int,
+        hedge: bool,
+        endpoint: Endpoint,
+        timeout: float,
+        reserved: Reservation | None = None,
     ) -> Attempted:
+        """``reserved``: the ticket the driver took for it (a hedge); else it takes its own."""
         clock = self._clock
         st = self._state
         name = self._route.name
         start = clock.monotonic()
         ticket: Ticket | None = None
-        if self._limit:
+        if reserved is None and self._limit:
             ticket = st.limiter.try_acquire(start)
             if ticket is None:
                 err = ConcurrencyLimited(
@@ -145,7 +157,9 @@ class RouteAttempter:
             return Attempted(number, endpoint, hedge, start, end, outcome, response, None)
         finally:
             now = clock.monotonic()
-            if ticket is not None:
+            if reserved is not None:
+                reserved.give_back(latency)
+            elif ticket is not None:
                 st.limiter.release(now, ticket, latency)
             took = now - start
             if (

@@ -38,12 +38,13 @@ class AttemptSet:
         """Attempts started and not handed back yet."""
         return len(self._running) + len(self._done)
 
-    def start(self, fn: AttemptFn, name: str) -> None:
+    def start(self, fn: AttemptFn, name: str) -> asyncio.Task[Attempted]:
         if self._closed:
             raise RuntimeError("the attempt set is closed")
         task: asyncio.Task[Attempted] = asyncio.get_running_loop().create_task(fn(), name=name)
         task.add_done_callback(self._on_done)
         self._running.add(task)
+        return task
 
     def _on_done(self, task: asyncio.Task[Attempted]) -> None:
         """Once the scope is closed, a finished attempt nobody took gives its connection back

@@ -55,17 +55,23 @@ async def hedged(driver: Driver, after: float) -> SequenceResult:
                         refused = True
                     continue
                 if isinstance(a.error, LocalOverload):
-                    if running.active:
-                        continue  # a hedge found no room after all; the others go on
-                    return d.result(Fate.OVERLOADED, a)
-                failed = d.failed(a)
-                if failed:
-                    d.note_failure(a)
-                if failed and running.active and not d.deadline.expired(a.ended):
-                    if last is not None:
-                        last.discard()
-                    last = a  # the others are this sequence's retries: wait for them
-                    continue
+                    if not running.active and last is None:
+                        return d.result(Fate.OVERLOADED, a)
+                    # Refused in the sidecar (the pool stayed full) while others of this
+                    # sequence ran or failed: it never left and counts for nothing.
+                    d.uncount(a)
+                    if running.active or last is None:
+                        continue
+                    a, last = last, None  # the failure kept meanwhile is the one to judge
+                else:
+                    failed = d.failed(a)
+                    if failed:
+                        d.note_failure(a)
+                    if failed and running.active and not d.deadline.expired(a.ended):
+                        if last is not None:
+                            last.discard()
+                        last = a  # the others are this sequence's retries: wait for them
+                        continue
                 if last is not None and last is not a:
                     last.discard()
                 last = None

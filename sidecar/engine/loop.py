@@ -32,6 +32,7 @@ from sidecar.core import (
 )
 from sidecar.engine.attempted import Attempted
 from sidecar.engine.attempts import AttemptSet
+from sidecar.engine.reservation import Reservation
 from sidecar.retry.backoff import Rng
 from sidecar.retry.classify import Outcome, is_retryable
 from sidecar.retry.deadline import Deadline
@@ -69,12 +70,19 @@ class Attempter(Protocol):
         """Seconds after an attempt starts when it is hedged; None: this sequence never is."""
         ...
 
-    def has_room(self) -> bool: ...
+    def reserve(self) -> Reservation | None:
+        """A concurrency ticket for a hedge, taken now; None when there is no room."""
+        ...
 
     def pick(self, avoid: Sequence[Endpoint]) -> Endpoint: ...
 
     def attempt(
-        self, number: int, hedge: bool, endpoint: Endpoint, timeout: float
+        self,
+        number: int,
+        hedge: bool,
+        endpoint: Endpoint,
+        timeout: float,
+        reserved: Reservation | None = None,
     ) -> Coroutine[Any, Any, Attempted]: ...
 
 
@@ -146,6 +154,7 @@ class Driver:
         "failed_before",
         "gate",
         "hedges",
+        "issued",
         "number",
         "policy",
         "previous_delay",
@@ -174,7 +183,8 @@ class Driver:
         self.rng = rng
         self.events = events
         self.gate = gate
-        self.number = 0
+        self.number = 0  # attempts that left (or are on their way): what counts
+        self.issued = 0  # attempt numbers handed out (a hedge's: see ``uncount``)
         self.hedges = 0
         self.previous_delay: float | None = None
         self.used: list[Endpoint] = []
@@ -307,37 +317,63 @@ class Driver:
             or is_retryable(self.policy, a.outcome)
         )
 
-    def start(self, running: AttemptSet, hedge: bool) -> None:
-        self.number += 1
-        number = self.number
-        # Prefer endpoints this sequence has not used: the failed one, the one being hedged.
-        endpoint = self.attempter.pick(self.used)
-        self.used.append(endpoint)
-        timeout = self.timeout()
-        attempter = self.attempter
+    def start(self, running: AttemptSet, hedge: bool, reserved: Reservation | None = None) -> None:
+        """Start an attempt as a task of ``running``; it owns ``reserved`` from here on (also
+        when its task is cancelled before it ran: its done-callback gives the ticket back)."""
+        try:
+            self.number += 1
+            self.issued = max(self.issued + 1, self.number)
+            number = self.issued
+            # Prefer endpoints this sequence has not used: the failed one, the one being hedged.
+            endpoint = self.attempter.pick(self.used)
+            self.used.append(endpoint)
+            timeout = self.timeout()
+            attempter = self.attempter
 
-        def run() -> Coroutine[Any, Any, Attempted]:
-            return attempter.attempt(number, hedge, endpoint, timeout)
+            def run() -> Coroutine[Any, Any, Attempted]:
+                return attempter.attempt(number, hedge, endpoint, timeout, reserved)
 
-        running.start(run, f"attempt-{self.route.name}-{number}")
+            task = running.start(run, f"attempt-{self.route.name}-{number}")
+        except BaseException:
+            if reserved is not None:
+                reserved.give_back(None)
+            raise
+        if reserved is not None:
+            task.add_done_callback(reserved.on_done)
 
     def maybe_hedge(self, running: AttemptSet, report: bool) -> bool:
         """Start a hedge if it may go; False when it was refused (an event the first time
-        for this attempt: it is asked again later, with backoff)."""
+        for this attempt: it is asked again later, with backoff). Nothing counts a refused
+        hedge: its concurrency ticket is taken first, here, so that a hedge that is counted
+        is one that leaves."""
         if self.number >= self.policy.attempts:
             return True
         if self.deadline.remaining(self.clock.monotonic()) <= 0:
             return True
-        if not self.attempter.has_room():
+        reserved = self.attempter.reserve()
+        if reserved is None:
             if report:
                 self.events.hedged(HedgeEvent(self.route.name, "denied-limit"))
             return False
-        refused = self.gate.allow_hedge()
+        try:
+            refused = self.gate.allow_hedge()
+        except BaseException:
+            reserved.give_back(None)
+            raise
         if refused is not None:
+            reserved.give_back(None)
             if report:
                 self.events.hedged(HedgeEvent(self.route.name, f"denied-{refused}"))
             return False
         self.hedges += 1
         self.events.hedged(HedgeEvent(self.route.name, "sent"))
-        self.start(running, hedge=True)
+        self.start(running, True, reserved)
         return True
+
+    def uncount(self, a: Attempted) -> None:
+        """An attempt refused in the sidecar (the pool stayed full) while others of the
+        sequence ran: it never left, so it counts neither as an attempt nor as a hedge. Its
+        number stays used: the next attempt gets a new one, never the number of one out."""
+        self.number -= 1
+        if a.hedge:
+            self.hedges -= 1
