@@ -38,12 +38,16 @@ async def hedged(driver: Driver, after: float) -> SequenceResult:
             started = d.clock.monotonic()
             hedge_at = started + after
             refused = False  # a hedge of the newest attempt was refused (reported once)
+            hedging = True  # False once a kill switch or a drain stopped new hedges
             while True:
                 wait: float | None = None
-                if d.number < d.policy.attempts:
+                if hedging and d.number < d.policy.attempts:
                     wait = max(0.0, hedge_at - d.clock.monotonic())
                 a = await running.next(wait)
                 if a is None:
+                    if not d.may_hedge():
+                        hedging = False  # for good: wait for the attempts already out
+                        continue
                     now = d.clock.monotonic()
                     if d.maybe_hedge(running, report=not refused):
                         hedge_at = now + after

@@ -341,6 +341,11 @@ class Driver:
         if reserved is not None:
             task.add_done_callback(reserved.on_done)
 
+    def may_hedge(self) -> bool:
+        """No new hedge once a kill switch covers the route or a drain has begun (the attempts
+        already out may still answer; the retry path asks the same two in ``judge``)."""
+        return not self.gate.killed() and not self.gate.draining()
+
     def maybe_hedge(self, running: AttemptSet, report: bool) -> bool:
         """Start a hedge if it may go; False when it was refused (an event the first time
         for this attempt: it is asked again later, with backoff). Nothing counts a refused
