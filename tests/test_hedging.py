@@ -409,7 +409,9 @@ async def test_a_hedge_cancelled_before_it_ran_gives_its_ticket_back() -> None:
     assert (driver.number, driver.hedges) == (1, 1)
 
 
-async def test_a_hedge_the_pool_refuses_counts_for_nothing(upstream_factory, sidecar_factory, client):
+async def test_a_hedge_the_pool_refuses_counts_for_nothing(
+    upstream_factory, sidecar_factory, client
+):
     """A hedge that waited for a pooled connection in vain (``wait_timeout``) never left: it is
     no attempt and no hedge, so the retry the policy allows after the original's 503 is made."""
 
@@ -431,3 +433,24 @@ async def test_a_hedge_the_pool_refuses_counts_for_nothing(upstream_factory, sid
         assert r.headers["x-retry-attempts"] == str(len(up.seen)) == "2"
         assert "x-retry-hedges" not in r.headers
     assert [a.outcome for a in sc.recorder.attempts][:1] == ["pool-exhausted"]
+
+
+async def test_a_hedged_original_that_loses_is_measured(upstream_factory, sidecar_factory, client):
+    """Finding 15: ``per_try_timeout: auto`` learnt only from the attempts that answered, so a
+    hedged original that lost to its hedge was never measured: after a fast phase the estimate
+    stayed low and kept hedging traffic a fresh sidecar would not hedge. The loser now counts
+    as at least the time it ran (past the timeout); a hedge that loses to its original a moment
+    after it started says nothing and is not counted."""
+    up = await upstream_factory(hang(5.0), reply(200, b"fast"), hang(0.13), hang(5.0))
+    sc = await sidecar_factory(routes_yaml(up.url, FAST_AUTO))
+    st = sc.sidecar.states.get("main")
+    armed(sc)
+    async with client.get(sc.url + "/x") as r:
+        assert await r.read() == b"fast" and r.headers["x-retry-hedges"] == "1"
+    now = time.monotonic()
+    assert st.latency.window.count(now) == 2  # the winner, and the original that lost
+    assert (st.latency.window.percentile(now, 0.99) or 0.0) >= 0.1  # it ran >= 100 ms
+    armed(sc)
+    async with client.get(sc.url + "/x") as r:  # the original wins; its hedge is cancelled
+        assert await r.read() == b"late" and r.headers["x-retry-hedges"] == "1"
+    assert st.latency.window.count(time.monotonic()) == 3

@@ -90,3 +90,16 @@ def test_fast_replies_give_the_minimum():
     for i in range(200):
         est.observe(i / 100, 0.001)
     assert est.timeout(2.0, 0.95, 2.0, 0.05, 10.0) == 0.05
+
+
+def test_a_cancelled_attempt_counts_as_at_least_its_time_once_past_the_timeout():
+    """A censored sample (it took at least this long): a hedged original that lost ran past
+    the timeout and belongs to the tail; a hedge cancelled a moment after it started does not
+    say how long it would have taken and is left out."""
+    est = AttemptLatency(span=10.0)
+    for _ in range(19):
+        est.observe(1.0, 0.005)
+    est.observe_censored(1.0, 0.06, timeout=0.05)  # ran past the 50 ms timeout, then lost
+    est.observe_censored(1.0, 0.01, timeout=0.05)  # a hedge that lost to its original
+    assert est.window.count(1.0) == 20
+    assert est.window.percentile(1.0, 0.99) == pytest.approx(0.06, rel=0.05)

@@ -4,8 +4,10 @@
 back in a ``finally``: return, error or cancellation), sends the request to the endpoint the
 driver picked, and turns the result into an ``Attempted``. On the way it feeds the route's
 state: the throttle (accepted or not), the latency estimate behind ``per_try_timeout: auto``,
-the concurrency limit (latency to the response head) and the endpoint's passive health. A
-hedge that lost and was cancelled feeds nothing but its event (outcome ``cancelled``).
+the concurrency limit (latency to the response head) and the endpoint's passive health. An
+attempt cancelled (a hedge that lost, the deadline, the client gone) feeds its event (outcome
+``cancelled``) and, when it ran at least the adaptive per-try timeout, the latency estimate as
+a censored sample (it took at least that long).
 """
 
 from __future__ import annotations
@@ -169,7 +171,9 @@ class RouteAttempter:
             ):
                 st.latency.ran_long(now)
             if not finished:
-                # Cancelled: a hedge that lost, the deadline, or the client went away.
+                # Cancelled: a hedge that lost, the deadline, or the client went away. It took
+                # at least this long (counted if that reaches the timeout in force).
+                st.latency.observe_censored(now, took, self._auto(now))
                 self._events.attempt_ended(
                     AttemptEnded(name, number, "cancelled", clock.monotonic() - start, None)
                 )

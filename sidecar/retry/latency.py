@@ -100,6 +100,17 @@ class AttemptLatency:
     def observe(self, now: float, seconds: float) -> None:
         self.window.add(now, seconds)
 
+    def observe_censored(self, now: float, at_least: float, timeout: float) -> None:
+        """A cancelled attempt (a hedged original that lost, one the deadline or the client
+        ended): it took at least ``at_least`` seconds -- a censored sample. Counted as that
+        long when it ran at least the per-try timeout in force (``timeout``): then it lies in
+        the tail the timeout is estimated from, and leaving it out (learning only from
+        winners) would keep the estimate low and hedge for ever what a fresh estimate would
+        not. A shorter one (a hedge that lost to its original a moment after it started) says
+        nothing of its latency and would pull the estimate down: left out."""
+        if at_least >= timeout:
+            self.window.add(now, at_least)
+
     def ran_long(self, now: float) -> None:
         """An attempt ran past the per-try timeout in force (answered late, or was still
         running when it was cancelled)."""
