@@ -12,7 +12,6 @@ from sidecar.config.parse import parse_text
 from sidecar.testing import FakeClock
 from tests.conftest import reply, routes_yaml
 
-
 JSON = {"Content-Type": "application/json"}
 
 

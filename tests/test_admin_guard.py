@@ -22,7 +22,6 @@ from sidecar.app import Sidecar
 from tests.conftest import reply, routes_yaml
 from tests.proc import SidecarProcess, free_port
 from tests.rawhttp import raw_request
-from tests.wait import until
 
 TOKEN = "guard-test-token-7"
 FOREIGN = "rebind.attacker.example"

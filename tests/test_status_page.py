@@ -433,3 +433,24 @@ async def test_without_a_token_forms_work_only_on_a_loopback_host(
     async with client.post(base + "/ui/killswitch", data=data, allow_redirects=False) as resp:
         assert resp.status == 303
     assert [s.scope for s in sc.sidecar.kill.active(time.monotonic())] == ["global"]
+
+
+async def test_the_lift_forms_nonce_does_not_submit_the_set_form(
+    upstream_factory, sidecar_factory, client, monkeypatch
+):
+    """Finding 21 over HTTP: a nonce from /ui/killswitch/lift posted to /ui/killswitch."""
+    monkeypatch.delenv("RETRY_SIDECAR_ADMIN_TOKEN", raising=False)
+    up = await upstream_factory(reply(200))
+    sc = await sidecar_factory(routes_yaml(up.url))
+    base = admin(sc)
+    switch = {"scope": "route:main", "ttl": "1m", "reason": "to lift"}
+    async with client.put(base + "/killswitch", json=switch) as resp:
+        assert resp.status == 200
+    data = {"scope": "global", "ttl": "1m", "reason": "r"}
+    data["nonce"] = await form(client, base + "/ui/killswitch/lift?scope=route:main")
+    async with client.post(base + "/ui/killswitch", data=data, allow_redirects=False) as resp:
+        assert resp.status == 403
+    assert [s.scope for s in sc.sidecar.kill.active(time.monotonic())] == ["route:main"]
+    data["nonce"] = await form(client, base + "/ui/killswitch")
+    async with client.post(base + "/ui/killswitch", data=data, allow_redirects=False) as resp:
+        assert resp.status == 303

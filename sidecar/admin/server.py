@@ -20,7 +20,6 @@ from typing import Any
 from aiohttp import web
 
 from sidecar.admin.auth import bearer_ok
-from sidecar.admin.origin import Refusal, host_refusal, site_refusal
 from sidecar.admin.killswitch import (
     BadRequest,
     KillSwitch,
@@ -29,6 +28,7 @@ from sidecar.admin.killswitch import (
     audit_set,
     check_set,
 )
+from sidecar.admin.origin import Refusal, host_refusal, site_refusal
 from sidecar.config.model import Route
 from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader
@@ -189,7 +189,9 @@ def build_admin_app(
             and not form
             and not bearer_ok(request.headers.get("Authorization"), deps.token)
         ):
-            deps.failed_login(request.remote or "unknown", "api", f"{request.method} {request.path}")
+            deps.failed_login(
+                request.remote or "unknown", "api", f"{request.method} {request.path}"
+            )
             resp = error(401, "this call needs Authorization: Bearer <admin token>")
             resp.headers["WWW-Authenticate"] = "Bearer"
             return resp

@@ -378,9 +378,7 @@ class _Parser:
         name = self.field(top, "name", (), _name, socket.gethostname())
         listen = self.field(top, "listen", (), _listen, Listen("0.0.0.0", 15001))
 
-        araw = self.mapping(
-            top.get("admin"), ("admin",), ("listen", "token_env", "allowed_hosts")
-        )
+        araw = self.mapping(top.get("admin"), ("admin",), ("listen", "token_env", "allowed_hosts"))
         admin = Admin(
             listen=self.field(araw, "listen", ("admin",), _listen, Admin().listen),
             token_env=self.field(araw, "token_env", ("admin",), _env_name, Admin().token_env),
@@ -745,7 +743,9 @@ def _listen(value: object) -> Listen:
     return Listen(host, port)
 
 
-HOST_NAME = re.compile(r"^(?=.{1,253}$)[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*$")
+HOST_NAME = re.compile(
+    r"^(?=.{1,253}$)[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*$"
+)
 
 
 def _host_names(value: object) -> tuple[str, ...]:
