@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from sidecar.admin.auth import check_exposure, token_from_env
+from sidecar.admin.auth import FailedLogins, check_exposure, token_from_env
 from sidecar.admin.killswitch import KillSwitch, apply_file
+from sidecar.admin.listener import AdminRunner
 from sidecar.admin.page import PageDeps, page_routes
 from sidecar.admin.rates import RateSampler
 from sidecar.admin.server import AdminDeps, ExtraRoute, build_admin_app
@@ -385,7 +386,12 @@ class Sidecar:
         self._proxy_runner = runner
         self.proxy_port = int(runner.addresses[0][1])
 
-        page_gets, page_forms = page_routes(PageDeps(self.status, token, lambda: self.replayer))
+        failed_login = FailedLogins(
+            lambda via: self.metrics.admin_auth_failures.inc((("via", via),))
+        )
+        page_gets, page_forms = page_routes(
+            PageDeps(self.status, token, lambda: self.replayer, failed_login=failed_login)
+        )
         admin_app = build_admin_app(
             AdminDeps(
                 store=self.store,
@@ -397,11 +403,18 @@ class Sidecar:
                 clock=self.clock,
                 token=token,
                 stats=self.process_stats,
+                failed_login=failed_login,
             ),
             self.admin_extra + page_gets,
             page_forms,
         )
-        arunner = web.AppRunner(admin_app, access_log=None, shutdown_timeout=1.0)
+        arunner = AdminRunner(
+            admin_app,
+            header_timeout=lambda: self.store.current.limits.header_timeout,
+            send_timeout=lambda: self.store.current.limits.send_timeout,
+            keepalive_timeout=config.limits.keepalive_timeout,
+            shutdown_timeout=1.0,
+        )
         await arunner.setup()
         asite = web.TCPSite(
             arunner, config.admin.listen.host, config.admin.listen.port, reuse_address=True

@@ -28,12 +28,20 @@ def default_config_path() -> str:
     return os.environ.get("RETRY_SIDECAR_CONFIG") or DEFAULT_CONFIG
 
 
+def _printable(text: str) -> str:
+    """A line for the terminal with its control characters escaped (``fmt.printable``): a
+    config's values and a server's answers are printed, never obeyed."""
+    from sidecar.admin.fmt import printable
+
+    return printable(text)
+
+
 def _load_or_exit(path: str) -> Config:
     try:
         return parse_file(path)
     except ConfigError as exc:
         for line in exc.lines():
-            print(line, file=sys.stderr)
+            print(_printable(line), file=sys.stderr)
         raise SystemExit(1) from None
 
 
@@ -43,7 +51,7 @@ def _parse_or_print(path: str) -> Config | None:
         return parse_file(path)
     except ConfigError as exc:
         for line in exc.lines():
-            print(line)
+            print(_printable(line))
         return None
 
 
@@ -56,7 +64,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from sidecar.config.killswitches import expired, expired_warning
 
     for e in expired(config.killswitches, time.time()):  # valid, but ignored when loaded
-        print(expired_warning(config.source, e), file=sys.stderr)
+        print(_printable(expired_warning(config.source, e)), file=sys.stderr)
     n = len(config.routes)
     print(f"OK: {n} route{'s' if n != 1 else ''}")
     return 0
@@ -68,7 +76,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     config = _parse_or_print(args.path or args.config or default_config_path())
     if config is None:
         return 1
-    print(explain(config))
+    print("\n".join(_printable(line) for line in explain(config).split("\n")))
     return 0
 
 
@@ -89,10 +97,10 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
     try:
         status, _ = call(target, "GET", "/healthz", timeout=args.timeout)
     except OSError as exc:
-        print(f"unhealthy: {target.base}/healthz: {exc}", file=sys.stderr)
+        print(_printable(f"unhealthy: {target.base}/healthz: {exc}"), file=sys.stderr)
         return 1
     if status != 200:
-        print(f"unhealthy: {target.base}/healthz answered {status}", file=sys.stderr)
+        print(_printable(f"unhealthy: {target.base}/healthz answered {status}"), file=sys.stderr)
         return 1
     print("healthy")
     return 0
@@ -100,9 +108,9 @@ def cmd_healthcheck(args: argparse.Namespace) -> int:
 
 def cmd_dlq(args: argparse.Namespace) -> int:
     """dlq list|show|replay|purge against a running sidecar's admin API."""
-    import json as _json
     from urllib.parse import urlencode
 
+    from sidecar.admin.fmt import printable_json
     from sidecar.admin.verbs import call_admin as call
     from sidecar.admin.verbs import fail
 
@@ -141,14 +149,15 @@ def cmd_dlq(args: argparse.Namespace) -> int:
         return fail(status, body)  # on stderr, as every verb's errors: stdout stays data
     if args.dlq_verb == "list" and not args.json:
         for r in body["records"]:
+            r = {k: _printable(str(v)) for k, v in r.items()}
             print(
                 f"{r['id']}  {r['status']:<9} {r['route']:<16} {r['method']:<6} "
                 f"{r['fate']:<18} replays={r['replays']}  {r['created_at']}  {r['target']}"
             )
         if body.get("next"):
-            print(f"(more: the same command with --cursor {body['next']})")
+            print(_printable(f"(more: the same command with --cursor {body['next']})"))
     else:
-        print(_json.dumps(body, indent=2))
+        print(printable_json(body))
     return 0
 
 

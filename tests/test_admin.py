@@ -12,6 +12,8 @@ from sidecar.config.parse import parse_text
 from sidecar.testing import FakeClock
 from tests.conftest import reply, routes_yaml
 
+JSON = {"Content-Type": "application/json"}
+
 
 def admin_url(sc) -> str:
     return f"http://127.0.0.1:{sc.sidecar.admin_port}"
@@ -140,7 +142,7 @@ async def test_bad_kill_switch_requests_get_400(
 ):
     up = await upstream_factory(reply(200))
     sc = await sidecar_factory(routes_yaml(up.url))
-    async with client.put(admin_url(sc) + "/killswitch", data=body) as resp:
+    async with client.put(admin_url(sc) + "/killswitch", data=body, headers=JSON) as resp:
         assert resp.status == 400
         assert fragment in (await resp.json())["error"]
     assert sc.sidecar.kill.active(0.0) == []
@@ -149,7 +151,8 @@ async def test_bad_kill_switch_requests_get_400(
 async def test_admin_bodies_are_size_limited(upstream_factory, sidecar_factory, client):
     up = await upstream_factory(reply(200))
     sc = await sidecar_factory(routes_yaml(up.url))
-    async with client.put(admin_url(sc) + "/killswitch", data=b"{" + b" " * 100_000 + b"}") as resp:
+    big = b"{" + b" " * 100_000 + b"}"
+    async with client.put(admin_url(sc) + "/killswitch", data=big, headers=JSON) as resp:
         assert resp.status == 413
 
 

@@ -238,6 +238,7 @@ ADMIN_TOKEN = "s3cret-token"
 AUTH = b"Authorization: Bearer " + ADMIN_TOKEN.encode() + b"\r\n"
 FORM = b"Content-Type: application/x-www-form-urlencoded\r\n"
 DEEP_JSON = b"[" * 60_000  # within the 64 KiB admin body limit
+JSON_TYPE = b"Content-Type: application/json\r\n"
 
 
 def _request(method: str, target: str, headers: bytes = b"", body: bytes = b"") -> bytes:
@@ -252,8 +253,8 @@ def _request(method: str, target: str, headers: bytes = b"", body: bytes = b"") 
 @pytest.mark.parametrize(
     ("method", "target", "headers", "body", "status"),
     [
-        ("PUT", "/killswitch", AUTH, DEEP_JSON, 400),
-        ("POST", "/dlq/replay", AUTH, DEEP_JSON, 400),
+        ("PUT", "/killswitch", AUTH + JSON_TYPE, DEEP_JSON, 400),
+        ("POST", "/dlq/replay", AUTH + JSON_TYPE, DEEP_JSON, 400),
         ("PUT", "/killswitch", b"Authorization: Bearer \xff\r\n", b"{}", 401),
         ("PUT", "/killswitch", b"Authorization: Bearer \xc3\xa9\r\n", b"{}", 401),
         ("GET", "/dlq?limit=%C2%B2", AUTH, b"", 400),  # "²".isdigit() is true
@@ -332,7 +333,7 @@ async def test_the_bearer_scheme_is_case_insensitive(
     )
     body = json.dumps({"scope": "global", "ttl": "1m", "reason": "x"}).encode()
     for scheme in (b"bearer", b"BEARER"):
-        auth = b"Authorization: " + scheme + b" " + ADMIN_TOKEN.encode() + b"\r\n"
+        auth = b"Authorization: " + scheme + b" " + ADMIN_TOKEN.encode() + b"\r\n" + JSON_TYPE
         out = await raw_request(sc.sidecar.admin_port, _request("PUT", "/killswitch", auth, body))
         assert out.startswith(b"HTTP/1.1 200 OK"), out[:200]
     wrong = b"Authorization: Basic " + ADMIN_TOKEN.encode() + b"\r\n"

@@ -106,3 +106,57 @@ async def test_status_and_killswitch_verbs(upstream_factory, tmp_path):
 
     gone = await cli("status", "--admin", f"http://127.0.0.1:{admin}")
     assert gone.returncode == 1 and "cannot reach the admin API" in gone.stderr
+
+
+HOSTILE = "INC-9\x1b]0;pwned\x07\x1b[2J\r\u009b31m\u202eevil\x7f"
+
+
+def test_printable_escapes_what_a_terminal_would_obey():
+    from sidecar.admin.fmt import printable
+
+    shown = printable(HOSTILE + " ü 😀 tab\there")
+    assert shown == (
+        "INC-9\\x1b]0;pwned\\x07\\x1b[2J\\x0d\\x9b31m\\u202eevil\\x7f ü 😀 tab\\x09here"
+    )
+
+
+async def test_a_hostile_kill_switch_reason_is_printed_escaped(upstream_factory, tmp_path):
+    """Finding 20: ``killswitch list`` and ``status`` printed a reason's control characters
+    raw (clear screen, retitle the terminal: kubectl's CVE-2021-25743 class)."""
+    up = await upstream_factory(reply(200))
+    port, admin = free_port(), free_port()
+    text = routes_yaml(up.url, admin=f'admin: {{listen: "127.0.0.1:{admin}"}}').replace(
+        'listen: "127.0.0.1:0"', f'listen: "127.0.0.1:{port}"', 1
+    )
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(text)
+    proc = SidecarProcess(cfg)
+    proc.start()
+    try:
+        await proc.wait_port(port, admin)
+        async with aiohttp.ClientSession() as s:
+            body = {"scope": "route:main", "ttl": "5m", "reason": HOSTILE}
+            async with s.put(f"http://127.0.0.1:{admin}/killswitch", json=body) as r:
+                assert r.status == 200
+        outputs = []
+        for verb in (
+            ("killswitch", "list"),
+            ("killswitch", "list", "--json"),
+            ("status",),
+            ("status", "--json"),
+        ):
+            done = await cli(*verb, "--config", str(cfg))
+            assert done.returncode == 0, done.stderr
+            outputs.append(done.stdout)
+        set_ = await cli(
+            "killswitch", "set", "global", "--ttl", "1m", "--reason", HOSTILE, "--config", str(cfg)
+        )
+        assert set_.returncode == 0, set_.stderr
+        outputs.append(set_.stdout)
+        for out in outputs:
+            bad = {c for c in out if (ord(c) < 32 and c != "\n") or 0x7F <= ord(c) <= 0x9F}
+            assert bad == set() and "\u202e" not in out, out
+        assert "INC-9\\x1b]0;pwned" in outputs[0]  # shown, escaped, not dropped
+        assert json.loads(outputs[1])["switches"][0]["reason"] == HOSTILE  # still exact JSON
+    finally:
+        assert proc.terminate() == 0

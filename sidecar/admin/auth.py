@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 import os
+from collections.abc import Callable
 
 from sidecar.config.model import Admin
+from sidecar.telemetry.logs import RateLimit
+
+audit = logging.getLogger("sidecar.audit")
 
 
 class AdminStartError(Exception):
@@ -49,3 +54,31 @@ def bearer_ok(header: str | None, token: str) -> bool:
         return False
     given = credentials.strip().encode("utf-8", "surrogateescape")
     return hmac.compare_digest(given, token.encode())
+
+
+class FailedLogins:
+    """Admin credentials refused (a missing or wrong token, through the API or a form):
+    each one counted by ``count(via)``, and logged as an audit line at most 10 a minute (a
+    guessing client must not flood the log; the count says how many were not logged)."""
+
+    def __init__(self, count: Callable[[str], None], limit: RateLimit | None = None) -> None:
+        self._count = count
+        self._limit = limit or RateLimit(per_interval=10, interval=60.0)
+
+    def __call__(self, who: str, via: str, call: str) -> None:
+        self._count(via)
+        if not self._limit.allow():
+            return
+        suppressed, self._limit.suppressed = self._limit.suppressed, 0
+        audit.warning(
+            "admin credentials refused",
+            extra={
+                "fields": {
+                    "audit": "admin.auth-failed",
+                    "who": who,
+                    "via": via,
+                    "call": call,
+                    "suppressed": suppressed,
+                }
+            },
+        )

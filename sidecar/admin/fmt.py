@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import re
+from typing import Any
+
 from sidecar.admin.killswitch import iso
+
+# What a terminal would obey rather than show: C0 controls (ESC starts a sequence that clears
+# the screen or retitles the window, BEL, CR overwrites the line, LF forges a row), DEL, C1
+# controls (U+009B is a one-character CSI), the line and paragraph separators, and the
+# bidirectional overrides and isolates that reorder what is shown (CVE-2021-42574).
+UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
 
 
 def age(seconds: float | None) -> str:
@@ -47,3 +57,21 @@ def success_class(v: float | None) -> str:
     if v is None:
         return "mute"
     return "ok" if v >= 0.99 else "warn" if v >= 0.9 else "bad"
+
+
+def printable(value: Any) -> str:
+    """``value`` as text a terminal shows as it is: every character from UNPRINTABLE written
+    as its escape (``\\x1b``, ``\\u202e``), as kubectl does since CVE-2021-25743. For anything
+    the CLI prints that came from the server or a config file."""
+    return UNPRINTABLE.sub(_escape, str(value))
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+def printable_json(value: Any) -> str:
+    """JSON for a terminal: ``json.dumps`` escapes C0 controls and, with ``ensure_ascii``,
+    everything above ASCII; DEL is the one it leaves raw (JSON allows ``\\u007f``)."""
+    return json.dumps(value, indent=2).replace("\x7f", "\\u007f")

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from sidecar.admin import render
 from sidecar.admin.fmt import when
-from sidecar.admin.formauth import FormRefused, Nonces, check_origin, check_token
+from sidecar.admin.formauth import FormRefused, Nonces, check_token
 from sidecar.admin.killswitch import BadRequest, audit_lift, audit_set, check_set
 from sidecar.admin.render import REFRESH_CHOICES, Notice, View
 from sidecar.admin.server import ExtraRoute, FormRoute, error, whole_number
@@ -37,6 +37,10 @@ log = logging.getLogger("sidecar.admin")
 MAX_NOTICES = 50
 MAX_REPLAY = 1000
 FORM_TYPE = "application/x-www-form-urlencoded"
+# The forms' actions: each form page and the path it posts to; a nonce is bound to one.
+SET_ACTION = "/ui/killswitch"
+LIFT_ACTION = "/ui/killswitch/lift"
+REPLAY_ACTION = "/ui/dlq/replay"
 Form = dict[str, str]  # the fields of a posted form (the last value of a repeated one)
 
 
@@ -54,6 +58,8 @@ class PageDeps:
     token: str | None
     replayer: Callable[[], ParkedReplayer | None]
     nonces: Nonces = field(default_factory=Nonces)
+    # A refused token: (who, via, call); counted and logged (auth.FailedLogins).
+    failed_login: Callable[[str, str, str], None] = lambda who, via, call: None
     notices: OrderedDict[int, Notice] = field(default_factory=OrderedDict)
     next_notice: int = 1
 
@@ -118,7 +124,7 @@ def page_routes(deps: PageDeps) -> tuple[list[ExtraRoute], list[FormRoute]]:
         return html(
             render.set_form(
                 route_names(),
-                deps.nonces.issue(src.clock.wall()),
+                deps.nonces.issue(SET_ACTION, src.clock.wall()),
                 token_set,
                 scope=f.get("scope", "global"),
                 ttl=f.get("ttl", "15m"),
@@ -133,7 +139,7 @@ def page_routes(deps: PageDeps) -> tuple[list[ExtraRoute], list[FormRoute]]:
         return set_page({"scope": scope}, None, 200)
 
     async def set_post(request: web.Request) -> web.StreamResponse:
-        form = await _accept(request, deps)
+        form = await _accept(request, deps, SET_ACTION)
         if isinstance(form, FormRefused):
             return set_page({}, form.message, form.status)
         f, refused = form
@@ -178,7 +184,7 @@ def page_routes(deps: PageDeps) -> tuple[list[ExtraRoute], list[FormRoute]]:
             render.lift_form(
                 found[0] if found else None,
                 scope,
-                deps.nonces.issue(wall),
+                deps.nonces.issue(LIFT_ACTION, wall),
                 token_set,
                 message,
             ),
@@ -189,7 +195,7 @@ def page_routes(deps: PageDeps) -> tuple[list[ExtraRoute], list[FormRoute]]:
         return lift_page(request.query.get("scope", ""), None, 200)
 
     async def lift_post(request: web.Request) -> web.StreamResponse:
-        form = await _accept(request, deps)
+        form = await _accept(request, deps, LIFT_ACTION)
         if isinstance(form, FormRefused):
             return lift_page("", form.message, form.status)
         f, refused = form
@@ -212,7 +218,7 @@ def page_routes(deps: PageDeps) -> tuple[list[ExtraRoute], list[FormRoute]]:
         return html(
             render.replay_form(
                 routes,
-                deps.nonces.issue(src.clock.wall()),
+                deps.nonces.issue(REPLAY_ACTION, src.clock.wall()),
                 token_set,
                 route=g.get("route", ""),
                 limit=g.get("limit", "100"),
@@ -227,7 +233,7 @@ def page_routes(deps: PageDeps) -> tuple[list[ExtraRoute], list[FormRoute]]:
         return await replay_page({"route": route}, None, 200)
 
     async def replay_post(request: web.Request) -> web.StreamResponse:
-        form = await _accept(request, deps)
+        form = await _accept(request, deps, REPLAY_ACTION)
         if isinstance(form, FormRefused):
             return await replay_page({}, form.message, form.status)
         f, refused = form
@@ -255,27 +261,24 @@ def page_routes(deps: PageDeps) -> tuple[list[ExtraRoute], list[FormRoute]]:
     gets: list[ExtraRoute] = [
         ("GET", "/", status_page, False),
         ("GET", "/status", status_json, False),
-        ("GET", "/ui/killswitch", set_get, False),
-        ("GET", "/ui/killswitch/lift", lift_get, False),
-        ("GET", "/ui/dlq/replay", replay_get, False),
+        ("GET", SET_ACTION, set_get, False),
+        ("GET", LIFT_ACTION, lift_get, False),
+        ("GET", REPLAY_ACTION, replay_get, False),
     ]
     posts: list[FormRoute] = [
-        ("POST", "/ui/killswitch", set_post),
-        ("POST", "/ui/killswitch/lift", lift_post),
-        ("POST", "/ui/dlq/replay", replay_post),
+        ("POST", SET_ACTION, set_post),
+        ("POST", LIFT_ACTION, lift_post),
+        ("POST", REPLAY_ACTION, replay_post),
     ]
     return gets, posts
 
 
 async def _accept(
-    request: web.Request, deps: PageDeps
+    request: web.Request, deps: PageDeps, action: str
 ) -> FormRefused | tuple[Form, FormRefused | None]:
-    """Origin, body type, nonce and token of a form post. A refusal before the form is read
-    comes back alone; one after it comes back with the form, to fill it in again."""
-    try:
-        check_origin(request.headers, request.host, deps.token is not None)
-    except FormRefused as exc:
-        return exc
+    """Body type, nonce (for this form's action) and token of a form post; the admin guard
+    has judged Host and origin already. A refusal before the form is read comes back alone;
+    one after it comes back with the form, to fill it in again."""
     if request.content_type != FORM_TYPE:
         return FormRefused(415, f"a form post must be {FORM_TYPE}")
     try:
@@ -284,9 +287,11 @@ async def _accept(
         return FormRefused(400, "the form is not UTF-8")
     form: Form = {k: v for k, v in raw.items() if isinstance(v, str)}
     try:
-        deps.nonces.use(form.get("nonce", ""), deps.sources.clock.wall())
+        deps.nonces.use(action, form.get("nonce", ""), deps.sources.clock.wall())
         check_token(form.get("token"), deps.token)
     except FormRefused as exc:
+        if exc.status == 401:
+            deps.failed_login(request.remote or "unknown", "status-page", f"POST {action}")
         return form, exc
     return form, None
 

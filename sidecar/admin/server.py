@@ -1,7 +1,11 @@
 """The admin API on its own listener, loopback by default (docs/architecture.md).
 
-JSON in and out; errors are ``{"error": "..."}`` with a 4xx. With a token configured, every
-non-GET call (and reading a DLQ record) needs ``Authorization: Bearer <token>``.
+JSON in and out; errors are ``{"error": "..."}`` with a 4xx. One middleware (``guard``)
+judges every request before its handler: who may talk to this listener at all (``origin``:
+the Host allow-list, no cross-site request), then the token (with one configured, every
+non-GET call and every DLQ call needs ``Authorization: Bearer <token>``), then the body type
+(JSON bodies only as ``application/json``); and it logs a handler's exception with its
+traceback.
 """
 
 from __future__ import annotations
@@ -24,18 +28,21 @@ from sidecar.admin.killswitch import (
     audit_set,
     check_set,
 )
+from sidecar.admin.origin import Refusal, host_refusal, site_refusal
 from sidecar.config.model import Route
 from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader
 from sidecar.core import Clock
 from sidecar.engine.routestate import RouteStates
 from sidecar.lifecycle import Lifecycle
+from sidecar.telemetry.logs import RateLimit
 from sidecar.telemetry.metrics import Metrics
 
 log = logging.getLogger("sidecar.admin")
 audit = logging.getLogger("sidecar.audit")
 
 MAX_ADMIN_BODY = 64 * 1024
+JSON_TYPE = "application/json"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Extra routes other features add (the DLQ): (method, path, handler, needs_token_even_for_GET).
 ExtraRoute = tuple[str, str, Handler, bool]
@@ -46,6 +53,13 @@ FormRoute = tuple[str, str, Handler]
 def _canonical(request: web.Request) -> str | None:
     resource = request.match_info.route.resource
     return resource.canonical if resource is not None else None
+
+
+def local_address(request: web.Request) -> str | None:
+    """The address the request's connection arrived at (the listener's own address on that
+    interface), or None."""
+    sock = request.transport.get_extra_info("sockname") if request.transport else None
+    return str(sock[0]) if isinstance(sock, tuple) and sock else None
 
 
 def iso(epoch: float | None) -> str | None:
@@ -90,6 +104,8 @@ class AdminDeps:
     clock: Clock
     token: str | None
     stats: Callable[[], dict[str, Any]] = dict
+    # A refused token: (who, via, call); counted and logged (auth.FailedLogins).
+    failed_login: Callable[[str, str, str], None] = lambda who, via, call: None
 
 
 def switch_json(s: Switch) -> dict[str, Any]:
@@ -134,27 +150,64 @@ def build_admin_app(
     # (sidecar.admin.formauth): a browser without JavaScript cannot send a header.
     self_checked: set[str] = set()
 
+    # admin.listen is bound at start (a change needs a restart): the address it names.
+    listen_host = deps.store.current.admin.listen.host
+    refusal_log = RateLimit(per_interval=10, interval=60.0)
+
+    def refuse(request: web.Request, refusal: Refusal) -> web.Response:
+        if refusal_log.allow():
+            suppressed, refusal_log.suppressed = refusal_log.suppressed, 0
+            log.warning(
+                "admin request refused",
+                extra={
+                    "fields": {
+                        "who": request.remote,
+                        "call": f"{request.method} {request.path}",
+                        "status": refusal.status,
+                        "why": refusal.message,
+                        "suppressed": suppressed,
+                    }
+                },
+            )
+        return error(refusal.status, refusal.message)
+
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        needs = request.method not in ("GET", "HEAD") or (
-            request.match_info.route.resource is not None
-            and request.match_info.route.resource.canonical in token_for_get
-        )
+        refusal = host_refusal(
+            request.headers.getall("Host", []),
+            deps.store.current.admin.allowed_hosts,
+            listen_host,
+            local_address(request),
+        ) or site_refusal(request.method, request.headers)
+        if refusal is not None:
+            return refuse(request, refusal)
+        form = _canonical(request) in self_checked
+        needs = request.method not in ("GET", "HEAD") or _canonical(request) in token_for_get
         if (
             deps.token is not None
             and needs
-            and _canonical(request) not in self_checked
+            and not form
             and not bearer_ok(request.headers.get("Authorization"), deps.token)
         ):
+            deps.failed_login(
+                request.remote or "unknown", "api", f"{request.method} {request.path}"
+            )
             resp = error(401, "this call needs Authorization: Bearer <admin token>")
             resp.headers["WWW-Authenticate"] = "Bearer"
             return resp
+        if request.body_exists and not form and request.content_type != JSON_TYPE:
+            # A browser sends text/plain, a form's types and multipart cross-site without a
+            # preflight; application/json it never does.
+            return error(415, f"admin request bodies must be {JSON_TYPE}")
         try:
             return await handler(request)
         except web.HTTPException as exc:
             if exc.status >= 400:
                 return error(exc.status, exc.reason)
             raise
+        except Exception:
+            log.exception("admin call %s %s failed", request.method, request.path)
+            return error(500, "the admin call failed; the sidecar's log has the traceback")
 
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

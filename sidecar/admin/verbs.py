@@ -1,21 +1,25 @@
 """The ``status`` and ``killswitch`` verbs: the status page's picture as a terminal table (in
-the manner of ``linkerd viz stat``) and the kill switch, against a running sidecar."""
+the manner of ``linkerd viz stat``) and the kill switch, against a running sidecar.
+
+Everything they print that came from the server (reasons, route names, errors) goes through
+``fmt.printable``: a kill-switch reason must not clear the operator's screen."""
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any, TextIO
 from urllib.parse import urlencode
 
 from sidecar.admin.client import AdminTarget, call
-from sidecar.admin.fmt import age, pct, rate, size
+from sidecar.admin.fmt import age, pct, printable, printable_json, rate, size
 
 
 def table(rows: list[list[str]], out: TextIO) -> None:
-    """Left-aligned columns two spaces apart; the last column is not padded."""
+    """Left-aligned columns two spaces apart; the last column is not padded. Cells are
+    escaped first (``printable``), so the columns line up with what the terminal shows."""
     if not rows:
         return
+    rows = [[printable(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
         cells = [c.ljust(w) for c, w in zip(r, widths, strict=False)] + [r[-1]]
@@ -35,12 +39,14 @@ def call_admin(
         return call(target, method, path, body, timeout)
     except OSError as exc:
         reason = getattr(exc, "reason", exc)
-        raise SystemExit(f"error: cannot reach the admin API at {target.base}: {reason}") from None
+        raise SystemExit(
+            printable(f"error: cannot reach the admin API at {target.base}: {reason}")
+        ) from None
 
 
 def fail(status: int, body: Any) -> int:
     msg = body.get("error") if isinstance(body, dict) else body
-    print(f"error: {status}: {msg}", file=sys.stderr)
+    print(printable(f"error: {status}: {msg}"), file=sys.stderr)
     return 1
 
 
@@ -104,9 +110,9 @@ def print_status(st: dict[str, Any], out: TextIO) -> None:
         f"dlq {p['dlq']}",
         f"window {st['window']} (covers {age(st['window_seconds'])})",
     ]
-    out.write("  ".join(head) + "\n")
+    out.write(printable("  ".join(head)) + "\n")
     if p["restart_required"]:
-        out.write("needs a restart: " + "; ".join(p["restart_required"]) + "\n")
+        out.write(printable("needs a restart: " + "; ".join(p["restart_required"])) + "\n")
     out.write("\n")
     table(status_rows(st), out)
     if st["switches"]:
@@ -129,7 +135,7 @@ def cmd_status(target: AdminTarget, window: str, as_json: bool) -> int:
     if status != 200:
         return fail(status, body)
     if as_json:
-        print(json.dumps(body, indent=2))
+        print(printable_json(body))
     else:
         print_status(body, sys.stdout)
     return 0
@@ -148,7 +154,7 @@ def cmd_killswitch(
         if status != 200:
             return fail(status, body)
         if as_json:
-            print(json.dumps(body, indent=2))
+            print(printable_json(body))
         elif not body["switches"]:
             print("no kill switch is active")
         else:
@@ -161,12 +167,18 @@ def cmd_killswitch(
         )
         if status != 200:
             return fail(status, body)
-        print(f"retries off for {body['scope']} until {body['expires_at']}: {body['reason']}")
+        print(
+            printable(
+                f"retries off for {body['scope']} until {body['expires_at']}: {body['reason']}"
+            )
+        )
         return 0
     status, body = call_admin(target, "DELETE", "/killswitch?" + urlencode({"scope": scope}))
     if status != 200:
         return fail(status, body)
-    print(f"lifted {body['lifted']}")
+    print(printable(f"lifted {body['lifted']}"))
     for s in body.get("remaining", []):
-        print(f"still active from the {s['source']}: {s['scope']} until {s['expires_at']}")
+        print(
+            printable(f"still active from the {s['source']}: {s['scope']} until {s['expires_at']}")
+        )
     return 0

@@ -226,6 +226,9 @@ class Listen:
 class Admin:
     listen: Listen = field(default_factory=lambda: Listen("127.0.0.1", 15000))
     token_env: str | None = "RETRY_SIDECAR_ADMIN_TOKEN"
+    # Host names (lower case, no port) the admin listener answers besides the loopback names,
+    # its listen address and the address a connection arrived at (sidecar.admin.origin).
+    allowed_hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

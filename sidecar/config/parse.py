@@ -380,10 +380,13 @@ class _Parser:
         name = self.field(top, "name", (), _name, socket.gethostname())
         listen = self.field(top, "listen", (), _listen, Listen("0.0.0.0", 15001))
 
-        araw = self.mapping(top.get("admin"), ("admin",), ("listen", "token_env"))
+        araw = self.mapping(top.get("admin"), ("admin",), ("listen", "token_env", "allowed_hosts"))
         admin = Admin(
             listen=self.field(araw, "listen", ("admin",), _listen, Admin().listen),
             token_env=self.field(araw, "token_env", ("admin",), _env_name, Admin().token_env),
+            allowed_hosts=self.field(
+                araw, "allowed_hosts", ("admin",), _host_names, Admin().allowed_hosts
+            ),
         )
         trusted = self.field(
             top, "trusted_peers", (), _networks, tuple(_networks(list(DEFAULT_TRUSTED)))
@@ -740,6 +743,32 @@ def _listen(value: object) -> Listen:
     if port > 65535:
         raise _Invalid(f"port must be at most 65535, got {port}")
     return Listen(host, port)
+
+
+HOST_NAME = re.compile(
+    r"^(?=.{1,253}$)[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*$"
+)
+
+
+def _host_names(value: object) -> tuple[str, ...]:
+    """``admin.allowed_hosts``: DNS names or IP addresses, as a Host header names them (without
+    the port); compared without regard to case."""
+    if not isinstance(value, list):
+        raise _Invalid("expected a list of host names like 'retry-sidecar-admin.shop.svc'")
+    out = []
+    for item in value:
+        name = str(item).lower().rstrip(".") if isinstance(item, str) else ""
+        try:
+            out.append(str(ipaddress.ip_address(name.strip("[]"))))
+            continue
+        except ValueError:
+            pass
+        if not HOST_NAME.match(name):
+            raise _Invalid(
+                f"not a host name or IP address (no port, no scheme, no wildcard): {item!r}"
+            )
+        out.append(name)
+    return tuple(out)
 
 
 def _networks(value: object) -> tuple[IpNetwork, ...]:

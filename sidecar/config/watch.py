@@ -47,6 +47,7 @@ RELOAD_RULES: dict[str, str] = {
     "listen": "restart",  # the proxy socket is bound at start
     "admin.listen": "restart",  # the admin socket is bound at start
     "admin.token_env": "restart",  # the token is read from the environment at start
+    "admin.allowed_hosts": "live",  # the admin guard reads it for every request
     "trusted_peers": "live",
     "killswitches": "live",  # file kill switches are re-applied on every (re)load
     "dlq.path": "restart",  # the open file is not swapped under in-flight writes

@@ -8,6 +8,7 @@ They exist even while no DLQ is open (a route may enable it by a reload) and ans
 from __future__ import annotations
 
 import base64
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     Opened = Callable[[], tuple[DlqStore, Replayer] | None]
 
 
+audit = logging.getLogger("sidecar.audit")
 STATUSES = ("pending", "delivered", "parked")
 MAX_LIMIT = 1000
 
@@ -164,6 +166,11 @@ def dlq_routes(opened: Opened, path: Callable[[], str]) -> list[ExtraRoute]:
             return error(503, str(exc))
         if not ok:
             return error(404, f"no DLQ record {rid}")
+        # A purge destroys a write the client was told was accepted: who did it is kept.
+        audit.warning(
+            "DLQ record purged",
+            extra={"fields": {"audit": "dlq.purge", "who": request.remote or "unknown", "id": rid}},
+        )
         return web.json_response({"purged": rid})
 
     return [

@@ -17,7 +17,6 @@ tests/test_hardening.py, which fail if either stops behaving.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -27,7 +26,7 @@ from aiohttp.http import HttpVersion10, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler, _ErrInfo
 
-from sidecar.proxy.respond import client_error, proxy_status
+from sidecar.proxy.respond import client_error
 from sidecar.telemetry.logs import RateLimit
 
 log = logging.getLogger("sidecar.proxy")
@@ -38,14 +37,18 @@ MAX_HEADERS = 100
 _VERSIONS = (HttpVersion10, HttpVersion11)
 
 
-def _error_bytes(status: int, reason: str, message: str) -> bytes:
-    body = json.dumps({"error": message}).encode()
-    return (
-        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n"
-        f"Proxy-Status: {proxy_status('http_request_error')}\r\n"
-        "x-retry-proxy-error: bad-request\r\n\r\n"
-    ).encode() + body
+def _error_bytes(answer: web.Response, reason: str) -> bytes:
+    """A refusal written straight to the socket (no handler is running): ``answer``'s status,
+    headers and body, closing the connection."""
+    assert isinstance(answer.body, bytes)
+    head = [f"HTTP/1.1 {answer.status} {reason}"]
+    head += [
+        f"{k}: {v}"
+        for k, v in answer.headers.items()
+        if k.lower() not in ("content-length", "connection")
+    ]
+    head += [f"Content-Length: {len(answer.body)}", "Connection: close"]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + answer.body
 
 
 def transport_peer(transport: asyncio.BaseTransport | None) -> str:
@@ -172,9 +175,8 @@ class GuardedRequestHandler(RequestHandler):
         transport = self.transport  # force_close() may drop self.transport
         self._guard.count("header-timeout")
         self._guard.warn("request head not complete within the header timeout; closing")
-        transport.write(
-            _error_bytes(408, "Request Timeout", "the request head took too long to arrive")
-        )
+        answer = self._guard.refuse(408, "the request head took too long to arrive")
+        transport.write(_error_bytes(answer, "Request Timeout"))
         self.force_close()
         transport.close()
 
@@ -233,7 +235,7 @@ class GuardedRequestHandler(RequestHandler):
         self._guard.warn(f"refused a malformed request ({status}): {str(exc)[:200]}")
 
         async def handler(request: web.BaseRequest) -> web.StreamResponse:
-            resp = client_error(
+            resp = self._guard.refuse(
                 status,
                 "request refused: "
                 + ("request line or headers too large" if too_large else "malformed request"),
@@ -245,12 +247,17 @@ class GuardedRequestHandler(RequestHandler):
 
 
 class SidecarServer(web.Server):
+    """aiohttp's server with the guards above, for the proxy listener and the admin listener
+    (``admin/listener.py``). ``refuse(status, message)`` makes the listener's own refusals
+    (408, 400, 431): the proxy's carry ``Proxy-Status`` and ``x-retry-proxy-error``."""
+
     def __init__(
         self,
         handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
         header_timeout: Callable[[], float],
         on_malformed: Callable[[str], None],
         send_timeout: Callable[[], float] = lambda: 60.0,
+        refuse: Callable[[int, str], web.Response] = client_error,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -263,6 +270,7 @@ class SidecarServer(web.Server):
         self.header_timeout = header_timeout
         self.send_timeout = send_timeout
         self.count = on_malformed
+        self.refuse = refuse
         self._warn_limit = RateLimit(per_interval=10, interval=60.0)
 
     def warn(self, message: str) -> None:

@@ -28,6 +28,7 @@ PREFIX = "retry_sidecar_"
 KNOWN_FATES = (*[f.value for f in Fate], "body-broken")
 BREAKER_STATES = ("closed", "half-open", "open")
 DLQ_RESULTS = ("stored", "full", "unavailable", "body-too-large")
+ADMIN_AUTH_VIAS = ("api", "status-page")
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 Labels = tuple[tuple[str, str], ...]
@@ -183,6 +184,12 @@ class Metrics:
             "Failed writes offered to the DLQ, by route and result "
             "(stored, full, unavailable, body-too-large).",
         )
+        self.admin_auth_failures = Counter(
+            "admin_auth_failures_total",
+            "Admin requests refused for a missing or wrong token, by way in (api, status-page).",
+        )
+        for via in ADMIN_AUTH_VIAS:
+            self.admin_auth_failures.values[(("via", via),)] = 0.0
         # Label tuples of the per-request series, made once per route and value: the event
         # handlers below then do plain dict increments.
         self._route: dict[str, Labels] = {}
@@ -213,6 +220,7 @@ class Metrics:
             self.per_try_timeout,
             self.breaker_open_seconds,
             self.endpoints,
+            self.admin_auth_failures,
         ]
 
     def render(self) -> str:

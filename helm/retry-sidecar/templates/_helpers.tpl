@@ -53,7 +53,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $_ := set $policy "version" 1 -}}
 {{- $_ := set $policy "name" (include "retry-sidecar.fullname" .) -}}
 {{- $_ := set $policy "listen" (printf "0.0.0.0:%d" (int .Values.sidecar.proxyPort)) -}}
-{{- $_ := set $policy "admin" (dict "listen" (printf "0.0.0.0:%d" (int .Values.sidecar.adminPort)) "token_env" "RETRY_SIDECAR_ADMIN_TOKEN") -}}
+{{- $_ := set $policy "admin" (dict "listen" (printf "0.0.0.0:%d" (int .Values.sidecar.adminPort)) "token_env" "RETRY_SIDECAR_ADMIN_TOKEN" "allowed_hosts" (default (list) .Values.sidecar.adminAllowedHosts)) -}}
 {{- $dlq := default (dict) (get $policy "dlq") -}}
 {{- $_ := set $dlq "path" "/data/dlq.sqlite3" -}}
 {{- $_ := set $policy "dlq" $dlq -}}

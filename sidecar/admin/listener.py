@@ -1,0 +1,61 @@
+"""The admin listener's server: the admin application served by the same guarded aiohttp
+server as the proxy listener (``proxy/server.SidecarServer``), so a client of the admin port
+meets the proxy's limits: a request head must be complete within ``limits.header_timeout``
+(408), a connection idle between requests is closed after ``limits.keepalive_timeout``, a
+client that takes no response bytes is cut after ``limits.send_timeout``, and a malformed
+request gets a 400 or 431 without a traceback in the log. aiohttp's own server has none of
+the first three (its keep-alive default is an hour).
+
+``web.AppRunner`` builds aiohttp's plain server in ``_make_server``; this runner lets it (so
+the application is started and frozen the usual way) and serves the same handler and request
+factory from a ``SidecarServer`` instead. That method is aiohttp-internal, pinned by the
+version range in pyproject.toml and covered by tests/test_admin_guard.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from sidecar.admin.server import error
+from sidecar.proxy.server import GuardedRequestHandler, SidecarServer
+
+
+class AdminRunner(web.AppRunner):
+    def __init__(
+        self,
+        app: web.Application,
+        header_timeout: Callable[[], float],
+        send_timeout: Callable[[], float],
+        keepalive_timeout: float,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(app, **kwargs)
+        self._header_timeout = header_timeout
+        self._send_timeout = send_timeout
+        self._keepalive_timeout = keepalive_timeout
+
+    async def _make_server(self) -> web.Server:
+        plain = await super()._make_server()  # starts and freezes the application
+        app_handler = plain.request_handler
+
+        async def handle(request: web.BaseRequest) -> web.StreamResponse:
+            try:
+                return await app_handler(request)
+            finally:
+                # The next bytes on this connection start a new head, with its own deadline.
+                if isinstance(request.protocol, GuardedRequestHandler):
+                    request.protocol.request_done()
+
+        return SidecarServer(
+            handle,
+            header_timeout=self._header_timeout,
+            send_timeout=self._send_timeout,
+            on_malformed=lambda reason: None,  # malformed_requests_total counts the proxy's
+            refuse=error,
+            request_factory=plain.request_factory,
+            keepalive_timeout=self._keepalive_timeout,
+            access_log=None,
+        )
