@@ -61,6 +61,14 @@ def test_entries_parse_with_their_lines():
         ("{scope: global, reason: x, until: 2099-01-01}", "needs a time of day"),
         ("{scope: global, reason: x, until: tomorrow}", "RFC 3339"),
         ('{scope: global, reason: x, until: "2099-13-01T00:00:00Z"}', "not a valid time"),
+        # Instants that are no UTC time this process can show (year 10000, year 0): they
+        # passed validate, then crashed every apply, the admin API and every restart.
+        ("{scope: global, reason: x, until: 9999-12-31T23:59:59-05:00}", "outside the times"),
+        ('{scope: global, reason: x, until: "9999-12-31T23:59:59-05:00"}', "outside the times"),
+        ('{scope: global, reason: x, until: "0001-01-01T00:00:00+23:59"}', "outside the times"),
+        ("{scope: global, reason: x, until: 0001-01-01T00:00:00+23:59}", "outside the times"),
+        # The float of the last microsecond rounds up into the year 10000.
+        ('{scope: global, reason: x, until: "9999-12-31T23:59:59.999999Z"}', "outside the times"),
         ("{scope: global, reason: x}", "killswitches[0].until: required"),
         ('{scope: global, reason: x, until: "2099-01-01T00:00:00Z", ttl: 5m}', "unknown key"),
         ("just-a-string", "expected a mapping"),
@@ -87,6 +95,9 @@ def test_duplicate_scope_and_wrong_type():
 
 def test_until_accepts_rfc3339_forms():
     assert parse_until("2099-01-01T00:00:00Z") == parse_until("2099-01-01t01:00:00.000+01:00")
+    # The ends of the range are instants like any other (the first one has long passed).
+    assert parse_until("9999-12-31T23:59:59Z") == 253402300799.0
+    assert parse_until("0001-01-01T00:00:00Z") == -62135596800.0
     assert parse_until("2099-01-01 00:00:00z") == 4070908800.0
     with pytest.raises(ValueError):
         parse_until(1700000000)
