@@ -140,6 +140,13 @@ class KillSwitch:
         """Lift an admin switch. File switches are lifted by editing the file."""
         return self._admin.pop(scope, None) is not None
 
+    def file_state(self) -> dict[str, Switch]:
+        """The file switches as they are, for ``restore_file`` (an apply that failed)."""
+        return dict(self._file)
+
+    def restore_file(self, state: dict[str, Switch]) -> None:
+        self._file = dict(state)
+
     def file_switch(self, scope: str, now: float) -> Switch | None:
         self._prune(now)
         return self._file.get(scope)

@@ -142,6 +142,9 @@ class Reloader:
                 log.exception("config reload (%s): the parser failed", trigger)
                 issue = ConfigIssue(0, "<file>", f"the parser failed: {type(bug).__name__}")
                 raise ConfigError(self.path, [issue]) from None
+            changed = new.sha256 != old.sha256
+            if changed:
+                self._apply_or_refuse(new, trigger)
         except ConfigError as exc:
             self.store.last_error = "; ".join(exc.lines())
             self._bad_sha = hashlib.sha256(raw).hexdigest() if isinstance(raw, bytes) else None
@@ -153,19 +156,14 @@ class Reloader:
             result = ReloadResult(False, old.sha256, False, exc.lines(), self.restart_required)
             self._report(result)
             return result
-        changed = new.sha256 != old.sha256
         if changed:
-            # Keep the listeners the process started with; report what needs a restart.
-            pending = needs_restart(self._started, new)
-            self.restart_required = [key for key, _ in pending]
-            self._apply(new)
             log.info(
                 "config reloaded (%s): version %s, %d routes",
                 trigger,
                 new.sha256[:12],
                 len(new.routes),
             )
-            for key, what in pending:
+            for key, what in needs_restart(self._started, new):
                 log.warning("config change needs a restart to apply: %s: %s", key, what)
         else:
             self.store.last_error = None
@@ -173,6 +171,19 @@ class Reloader:
         result = ReloadResult(True, new.sha256, changed, [], self.restart_required)
         self._report(result)
         return result
+
+    def _apply_or_refuse(self, new: Config, trigger: str) -> None:
+        """Apply a valid config, all or nothing (``apply`` puts back what was live when it
+        fails). A failure is a bug, not a verdict on the file, but the file is refused like
+        an invalid one: reported, and retried only when it changes."""
+        try:
+            self._apply(new)
+        except Exception as bug:
+            log.exception("config reload (%s): applying the config failed", trigger)
+            issue = ConfigIssue(0, "<file>", f"applying it failed: {type(bug).__name__}: {bug}")
+            raise ConfigError(self.path, [issue]) from None
+        # Keep the listeners the process started with; report what needs a restart.
+        self.restart_required = [key for key, _ in needs_restart(self._started, new)]
 
     def _report(self, result: ReloadResult) -> None:
         if self._on_result is not None:
