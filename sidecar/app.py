@@ -99,7 +99,7 @@ class Sidecar:
         self.states.sync(config)
         self.metrics.declare_routes((r.name, r.dlq.enabled) for r in config.routes)
         self.resolver = Resolver(self.states)
-        self.kill = KillSwitch()
+        self.kill = KillSwitch(self.clock.wall)
         apply_file(self.kill, config, self.clock.monotonic(), self.clock.wall())
         self.life = Lifecycle()
         self.kill.on_set(self.life.nudge_sleepers)
