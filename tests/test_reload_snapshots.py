@@ -65,7 +65,9 @@ async def test_reloads_at_random_moments_keep_each_sequence_on_its_snapshot(
             result = await sc.sidecar.reload("test")
             assert result is not None and result.ok and result.changed
 
-    *answers, _ = await asyncio.gather(*(one(i) for i in range(SEQUENCES)), reloads())
+    answers, _ = await asyncio.gather(
+        asyncio.gather(*(one(i) for i in range(SEQUENCES))), reloads()
+    )
 
     by_seq: dict[str, list[Seen]] = {}
     for seen in up.seen:
