@@ -100,7 +100,7 @@ class Sidecar:
         self.states.sync(config)
         self.metrics.declare_routes((r.name, r.dlq.enabled) for r in config.routes)
         self.resolver = Resolver(self.states)
-        self.kill = KillSwitch()
+        self.kill = KillSwitch(self.clock.wall)
         apply_file(self.kill, config, self.clock.monotonic(), self.clock.wall())
         self.life = Lifecycle()
         self.kill.on_set(self.life.nudge_sleepers)
@@ -262,9 +262,26 @@ class Sidecar:
         self.events.sinks.append(sink)
 
     def apply(self, config: Config) -> None:
-        """Swap in a new, already validated config. Route state is kept by name; the DLQ's
-        bounds apply to the next record; drain_timeout to the next drain. A reload that is the
-        first to enable a DLQ route opens the DLQ file (the one the process started with)."""
+        """Swap in a new, already validated config, all or nothing: should any part of it
+        fail, what was live before (config, route policies, file kill switches, DLQ bounds)
+        is put back before the error goes on to the caller, which reports it."""
+        old = self.store.current
+        loaded = self.store.loaded
+        file_switches = self.kill.file_state()
+        try:
+            self._apply(config)
+        except Exception:
+            self.states.sync(old)
+            self.store.restore(old, loaded)
+            self.kill.restore_file(file_switches)
+            if self.dlq is not None:
+                self.dlq.set_limits(old.dlq.max_records, old.dlq.max_bytes)
+            raise
+
+    def _apply(self, config: Config) -> None:
+        """Route state is kept by name; the DLQ's bounds apply to the next record;
+        drain_timeout to the next drain. A reload that is the first to enable a DLQ route
+        opens the DLQ file (the one the process started with)."""
         self.states.sync(config)
         self.metrics.declare_routes((r.name, r.dlq.enabled) for r in config.routes)
         self.store.swap(config)

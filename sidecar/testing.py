@@ -20,6 +20,10 @@ class FakeClock(Clock):
         self._mono += seconds
         self._wall += seconds
 
+    def step_wall(self, seconds: float) -> None:
+        """A host clock correction: the wall clock jumps, the monotonic clock does not."""
+        self._wall += seconds
+
 
 class FixedRng:
     """uniform(a, b) returns a + fraction * (b - a): 0.0 gives the low end, 1.0 the high end."""

@@ -16,6 +16,7 @@ from sidecar.config.errors import ConfigError
 from sidecar.config.killswitches import parse_until
 from sidecar.config.model import FileKillSwitch
 from sidecar.config.parse import parse_text
+from sidecar.testing import FakeClock
 from tests.conftest import reply, routes_yaml
 
 BASE = """version: 1
@@ -61,6 +62,14 @@ def test_entries_parse_with_their_lines():
         ("{scope: global, reason: x, until: 2099-01-01}", "needs a time of day"),
         ("{scope: global, reason: x, until: tomorrow}", "RFC 3339"),
         ('{scope: global, reason: x, until: "2099-13-01T00:00:00Z"}', "not a valid time"),
+        # Instants that are no UTC time this process can show (year 10000, year 0): they
+        # passed validate, then crashed every apply, the admin API and every restart.
+        ("{scope: global, reason: x, until: 9999-12-31T23:59:59-05:00}", "outside the times"),
+        ('{scope: global, reason: x, until: "9999-12-31T23:59:59-05:00"}', "outside the times"),
+        ('{scope: global, reason: x, until: "0001-01-01T00:00:00+23:59"}', "outside the times"),
+        ("{scope: global, reason: x, until: 0001-01-01T00:00:00+23:59}", "outside the times"),
+        # The float of the last microsecond rounds up into the year 10000.
+        ('{scope: global, reason: x, until: "9999-12-31T23:59:59.999999Z"}', "outside the times"),
         ("{scope: global, reason: x}", "killswitches[0].until: required"),
         ('{scope: global, reason: x, until: "2099-01-01T00:00:00Z", ttl: 5m}', "unknown key"),
         ("just-a-string", "expected a mapping"),
@@ -87,13 +96,16 @@ def test_duplicate_scope_and_wrong_type():
 
 def test_until_accepts_rfc3339_forms():
     assert parse_until("2099-01-01T00:00:00Z") == parse_until("2099-01-01t01:00:00.000+01:00")
+    # The ends of the range are instants like any other (the first one has long passed).
+    assert parse_until("9999-12-31T23:59:59Z") == 253402300799.0
+    assert parse_until("0001-01-01T00:00:00Z") == -62135596800.0
     assert parse_until("2099-01-01 00:00:00z") == 4070908800.0
     with pytest.raises(ValueError):
         parse_until(1700000000)
 
 
 def test_load_file_replaces_file_switches_and_keeps_admin_ones():
-    k = KillSwitch()
+    k = KillSwitch(lambda: 1000.0)
     k.set("route:orders", 3600.0, "manual", "10.0.0.1", now=0.0, wall=1000.0)
     expired = k.load_file(
         [
@@ -101,7 +113,6 @@ def test_load_file_replaces_file_switches_and_keeps_admin_ones():
             FileKillSwitch("route:users", "old", 900.0, 10, 1),
         ],
         "p.yaml",
-        now=0.0,
         wall=1000.0,
     )
     assert [e.scope for e in expired] == ["route:users"]
@@ -109,26 +120,49 @@ def test_load_file_replaces_file_switches_and_keeps_admin_ones():
         ("global", "file", "p.yaml:7"),
         ("route:orders", "admin", "10.0.0.1"),
     ]
-    assert k.covers("users", 99.0) and not k.covers("users", 100.0)  # until, on the mono clock
     # A reload that no longer has the entry lifts it; the admin switch is untouched.
-    k.load_file([], "p.yaml", now=5.0, wall=1005.0)
+    k.load_file([], "p.yaml", wall=1005.0)
     assert [s.source for s in k.active(6.0)] == ["admin"]
     assert not k.lift("global")
 
 
 def test_an_unchanged_entry_keeps_when_it_was_set():
-    k = KillSwitch()
+    k = KillSwitch(lambda: 1000.0)
     entry = FileKillSwitch("global", "fleet", 5000.0, 7, 0)
-    k.load_file([entry], "p.yaml", now=0.0, wall=1000.0)
-    k.load_file([entry], "p.yaml", now=10.0, wall=1010.0)
+    k.load_file([entry], "p.yaml", wall=1000.0)
+    k.load_file([entry], "p.yaml", wall=1010.0)
     assert k.active(11.0)[0].set_at == 1000.0
-    k.load_file([FileKillSwitch("global", "new reason", 5000.0, 7, 0)], "p.yaml", 20.0, 1020.0)
+    k.load_file([FileKillSwitch("global", "new reason", 5000.0, 7, 0)], "p.yaml", 1020.0)
     assert k.active(21.0)[0].set_at == 1020.0
 
 
+def test_a_file_switch_ends_at_its_until_on_the_wall_clock_however_it_is_corrected():
+    """Outside finding: the until was turned into a monotonic deadline once, at load, so a
+    host clock correction made the switch lift 22 s early. It is an instant: compared with
+    the (injected) wall clock each time it is asked about; an admin TTL, a duration, stays
+    on the monotonic clock."""
+    clock = FakeClock(monotonic=0.0, wall=1000.0)
+    k = KillSwitch(clock.wall)
+    k.load_file([FileKillSwitch("global", "fleet", 1100.0, 7, 0)], "p.yaml", clock.wall())
+    k.set("route:orders", 100.0, "manual", "me", clock.monotonic(), clock.wall())
+    clock.step_wall(-30.0)  # the host clock ran 30 s fast; corrected back
+    clock.advance(100.0)  # wall 1070: until (1100) not reached, 100 s since the load
+    assert k.covers("users", clock.monotonic())  # the file switch holds on
+    assert [s.source for s in k.active(clock.monotonic())] == ["file"]  # the TTL is spent
+    clock.advance(29.0)
+    assert k.covers("users", clock.monotonic())
+    clock.advance(1.0)  # wall 1100
+    assert not k.covers("users", clock.monotonic())
+    # Stepped forward past it, the instant has come whatever the monotonic clock says.
+    k.load_file([FileKillSwitch("global", "fleet", 2000.0, 7, 0)], "p.yaml", clock.wall())
+    assert k.file_switch("global", clock.monotonic()) is not None
+    clock.step_wall(900.0)
+    assert k.file_switch("global", clock.monotonic()) is None and k.active(clock.monotonic()) == []
+
+
 def test_both_sources_for_one_scope():
-    k = KillSwitch()
-    k.load_file([FileKillSwitch("route:orders", "fleet", 2000.0, 7, 0)], "p", 0.0, 1000.0)
+    k = KillSwitch(lambda: 1000.0)
+    k.load_file([FileKillSwitch("route:orders", "fleet", 2000.0, 7, 0)], "p", 1000.0)
     k.set("route:orders", 60.0, "manual", "me", now=0.0, wall=1000.0)
     assert [s.source for s in k.active(1.0)] == ["admin", "file"]
     assert k.lift("route:orders")

@@ -13,11 +13,17 @@ Switches come from two sources, kept apart:
   API: the file is the fleet's truth and would put them back on the next reload or restart.
 
 A scope is covered while a switch of either source is active for it.
+
+An admin switch lasts a TTL, a duration: it ends on the monotonic clock, which no host clock
+correction moves. A file switch's ``until`` is an instant: it is compared with the wall clock
+(injected) each time the switches are asked about, so a clock stepped back or forward moves its
+end with it, as the fleet's other pods (and the operator reading the file) see it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -98,7 +104,9 @@ class Switch:
     set_by: str  # the peer address, or "<file>:<line>" for a file switch
     set_at: float  # epoch seconds
     expires_at: float  # epoch seconds
-    expires_mono: float
+    # An admin switch's end on the monotonic clock (set time + TTL); None for a file switch,
+    # which ends at the wall-clock instant ``expires_at``.
+    expires_mono: float | None
     source: Source = "admin"
 
     def as_json(self) -> dict[str, object]:
@@ -113,7 +121,8 @@ class Switch:
 
 
 class KillSwitch:
-    def __init__(self) -> None:
+    def __init__(self, wall: Callable[[], float] = time.time) -> None:
+        self._wall = wall  # what a file switch's until is compared with
         self._admin: dict[str, Switch] = {}
         self._file: dict[str, Switch] = {}
         # Called when a switch is set (admin or file): backoff sleeps ask again whether their
@@ -140,12 +149,19 @@ class KillSwitch:
         """Lift an admin switch. File switches are lifted by editing the file."""
         return self._admin.pop(scope, None) is not None
 
+    def file_state(self) -> dict[str, Switch]:
+        """The file switches as they are, for ``restore_file`` (an apply that failed)."""
+        return dict(self._file)
+
+    def restore_file(self, state: dict[str, Switch]) -> None:
+        self._file = dict(state)
+
     def file_switch(self, scope: str, now: float) -> Switch | None:
         self._prune(now)
         return self._file.get(scope)
 
     def load_file(
-        self, entries: Iterable[FileKillSwitch], source: str, now: float, wall: float
+        self, entries: Iterable[FileKillSwitch], source: str, wall: float
     ) -> list[FileKillSwitch]:
         """Replace every file switch with ``entries``; return the ones already expired, which
         are ignored. An entry unchanged since the last load keeps its ``set_at``."""
@@ -165,7 +181,7 @@ class KillSwitch:
                 f"{source}:{e.line}",
                 set_at,
                 e.until,
-                now + (e.until - wall),
+                None,
                 "file",
             )
         self._file = fresh
@@ -186,16 +202,20 @@ class KillSwitch:
         return any("global" in d or scope in d for d in (self._admin, self._file))
 
     def _prune(self, now: float) -> None:
-        for d in (self._admin, self._file):
-            for scope in [s for s, sw in d.items() if sw.expires_mono <= now]:
-                del d[scope]
+        for scope, sw in list(self._admin.items()):
+            if sw.expires_mono is not None and sw.expires_mono <= now:
+                del self._admin[scope]
+        if self._file:
+            wall = self._wall()
+            for scope in [s for s, sw in self._file.items() if sw.expires_at <= wall]:
+                del self._file[scope]
 
 
 def apply_file(kill: KillSwitch, config: Config, now: float, wall: float) -> None:
     """On every (re)load: the file's switches replace the previous file switches. Expired
     entries are ignored with a warning that names their line; a change is an audit line."""
     before = {(s.scope, s.reason, s.expires_at) for s in kill.active(now) if s.source == "file"}
-    for e in kill.load_file(config.killswitches, config.source, now, wall):
+    for e in kill.load_file(config.killswitches, config.source, wall):
         log.warning(expired_warning(config.source, e))
     now_on = [s for s in kill.active(now) if s.source == "file"]
     if {(s.scope, s.reason, s.expires_at) for s in now_on} != before:

@@ -23,6 +23,8 @@ MAX_REASON = 1000
 # RFC 3339 section 5.6 date-time; "T"/"Z" may be lower case, a space may stand for "T".
 _RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$")
 KEYS = ("scope", "reason", "until")
+FIRST = "0001-01-01T00:00:00Z"
+LAST = "9999-12-31T23:59:59Z"
 
 
 def parse_until(value: object) -> float:
@@ -30,22 +32,40 @@ def parse_until(value: object) -> float:
 
     YAML turns an unquoted timestamp into a datetime already; it is accepted only when it
     carries an offset, because a time without one means different instants on different pods.
+    The instant must also be one this process can show again as a UTC time (every use of it
+    does: the audit line, ``GET /killswitch``, the status page): ``9999-12-31T23:59:59-05:00``
+    is in the year 10000 in UTC, ``0001-01-01T00:00:00+23:59`` in the year 0.
     """
     if isinstance(value, datetime):
         if value.tzinfo is None:
             raise ValueError(
                 "needs a UTC offset, e.g. 2025-06-01T12:00:00Z or 2025-06-01T14:00:00+02:00"
             )
-        return value.timestamp()
+        return _representable(value)
     if isinstance(value, date):
         raise ValueError("needs a time of day and an offset, e.g. 2025-06-01T12:00:00Z")
     if not isinstance(value, str) or not _RFC3339.match(value):
         raise ValueError(f"expected an RFC 3339 time like 2025-06-01T12:00:00Z, got {value!r}")
     text = value.upper().replace(" ", "T")
     try:
-        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+        parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError as exc:
         raise ValueError(f"not a valid time: {exc}") from None
+    return _representable(parsed)
+
+
+def _representable(value: datetime) -> float:
+    """``value`` as epoch seconds, when those seconds turn back into a UTC date-time (the
+    float may round up past the last representable instant too)."""
+    try:
+        epoch = value.astimezone(UTC).timestamp()
+        datetime.fromtimestamp(epoch, UTC)
+    except (OverflowError, ValueError, OSError):
+        raise ValueError(
+            f"{value.isoformat()} is outside the times this process can represent "
+            f"({FIRST} to {LAST} in UTC)"
+        ) from None
+    return epoch
 
 
 def parse_section(

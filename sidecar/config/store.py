@@ -27,3 +27,8 @@ class ConfigStore:
         self._current = config
         self.loaded = LoadRecord(time.time())
         self.last_error = None
+
+    def restore(self, config: Config, loaded: LoadRecord) -> None:
+        """Put back a config that was current (an apply that failed half-way)."""
+        self._current = config
+        self.loaded = loaded

@@ -4,8 +4,10 @@ The stdlib has no inotify, so the watcher polls ``stat`` every ``interval`` (0.5
 (following symlinks) and its directory. That sees an in-place edit (mtime/size), an atomic rename
 (inode, directory mtime) and the Kubernetes ConfigMap swap of the ``..data`` symlink (the
 resolved path and the directory). As a safety net the content hash is compared every
-``hash_every`` seconds whatever stat says. A reload validates the whole file first; an invalid
-file changes nothing that serves traffic.
+``hash_every`` seconds whatever stat says. New bytes are loaded once they have stayed the same
+for one more poll, so a file rewritten in place in several writes is never loaded half-written
+(SIGHUP and POST /config/reload read the file at once, as asked). A reload validates the whole
+file first; an invalid file changes nothing that serves traffic.
 """
 
 from __future__ import annotations
@@ -92,16 +94,6 @@ def _read(path: str) -> bytes | OSError:
         return exc
 
 
-def file_sha256(path: str) -> str | None:
-    """The hash of what a reload would read; None when that is no regular file (missing,
-    a directory, a FIFO): the watcher waits for a file, and POST /config/reload or SIGHUP
-    says what is wrong."""
-    try:
-        return hashlib.sha256(read_file(path)).hexdigest()
-    except OSError:
-        return None
-
-
 class Reloader:
     def __init__(
         self,
@@ -119,15 +111,17 @@ class Reloader:
         self._bad_sha: str | None = None
         self._started = store.current  # what the listeners were opened with
 
-    async def reload(self, trigger: str) -> ReloadResult:
+    async def reload(self, trigger: str, raw: bytes | None = None) -> ReloadResult:
+        """Reload from the file now (SIGHUP, POST /config/reload), or from ``raw``, the bytes
+        the watcher saw settle."""
         async with self._lock:
-            return await self._reload(trigger)
+            return await self._reload(trigger, raw)
 
-    async def _reload(self, trigger: str) -> ReloadResult:
+    async def _reload(self, trigger: str, seen: bytes | None) -> ReloadResult:
         old = self.store.current
         # One read: the bytes parsed are the bytes hashed. Hashing the file again after a
         # failed parse could hash a good file written meanwhile and remember it as bad.
-        raw = await asyncio.to_thread(_read, self.path)
+        raw = seen if seen is not None else await asyncio.to_thread(_read, self.path)
         try:
             if isinstance(raw, OSError):
                 raise ConfigError(
@@ -143,6 +137,9 @@ class Reloader:
                 log.exception("config reload (%s): the parser failed", trigger)
                 issue = ConfigIssue(0, "<file>", f"the parser failed: {type(bug).__name__}")
                 raise ConfigError(self.path, [issue]) from None
+            changed = new.sha256 != old.sha256
+            if changed:
+                self._apply_or_refuse(new, trigger)
         except ConfigError as exc:
             self.store.last_error = "; ".join(exc.lines())
             self._bad_sha = hashlib.sha256(raw).hexdigest() if isinstance(raw, bytes) else None
@@ -154,19 +151,14 @@ class Reloader:
             result = ReloadResult(False, old.sha256, False, exc.lines(), self.restart_required)
             self._report(result)
             return result
-        changed = new.sha256 != old.sha256
         if changed:
-            # Keep the listeners the process started with; report what needs a restart.
-            pending = needs_restart(self._started, new)
-            self.restart_required = [key for key, _ in pending]
-            self._apply(new)
             log.info(
                 "config reloaded (%s): version %s, %d routes",
                 trigger,
                 new.sha256[:12],
                 len(new.routes),
             )
-            for key, what in pending:
+            for key, what in needs_restart(self._started, new):
                 log.warning("config change needs a restart to apply: %s: %s", key, what)
         else:
             self.store.last_error = None
@@ -174,6 +166,19 @@ class Reloader:
         result = ReloadResult(True, new.sha256, changed, [], self.restart_required)
         self._report(result)
         return result
+
+    def _apply_or_refuse(self, new: Config, trigger: str) -> None:
+        """Apply a valid config, all or nothing (``apply`` puts back what was live when it
+        fails). A failure is a bug, not a verdict on the file, but the file is refused like
+        an invalid one: reported, and retried only when it changes."""
+        try:
+            self._apply(new)
+        except Exception as bug:
+            log.exception("config reload (%s): applying the config failed", trigger)
+            issue = ConfigIssue(0, "<file>", f"applying it failed: {type(bug).__name__}: {bug}")
+            raise ConfigError(self.path, [issue]) from None
+        # Keep the listeners the process started with; report what needs a restart.
+        self.restart_required = [key for key, _ in needs_restart(self._started, new)]
 
     def _report(self, result: ReloadResult) -> None:
         if self._on_result is not None:
@@ -195,24 +200,42 @@ class Reloader:
         return (*fst, dst, os.path.realpath(self.path))
 
     async def watch(self, interval: float = 0.5, hash_every: float = 5.0) -> None:
-        """Run until cancelled: reload when the file or its directory changes."""
+        """Run until cancelled: reload when the file or its directory changes, once the file's
+        bytes have stayed the same for one more poll. An edit written in several steps (an
+        editor or a script rewriting the file in place) is not loaded half-written: the half
+        is seen, and replaced by the whole before it has stood for a poll."""
         last = self._fingerprint()
         # The first round always compares hashes: the file may have changed between the load
         # and this task's first run.
         last_hash_check = float("-inf")
+        settling: str | None = None  # the hash of new bytes seen at the last poll
         while True:
             await asyncio.sleep(interval)
             fp = self._fingerprint()
             due = time.monotonic() - last_hash_check >= hash_every
-            if fp == last and not due:
+            if fp == last and not due and settling is None:
                 continue
             last = fp
             last_hash_check = time.monotonic()
-            sha = await asyncio.to_thread(file_sha256, self.path)
+            raw = await asyncio.to_thread(_read, self.path)
+            # Not a regular file (missing, a directory, a FIFO): the watcher waits for a file,
+            # and POST /config/reload or SIGHUP says what is wrong.
+            sha = hashlib.sha256(raw).hexdigest() if isinstance(raw, bytes) else None
             if sha is None or sha == self.store.current.sha256 or sha == self._bad_sha:
+                settling = None
                 continue
+            if sha != settling:
+                log.info(
+                    "config file changed (%s); loading it once it stays the same for %.1fs",
+                    sha[:12],
+                    interval,
+                )
+                settling = sha
+                continue
+            settling = None
+            assert isinstance(raw, bytes)
             try:
-                await self.reload("file-watch")
+                await self.reload("file-watch", raw)
             except Exception:
                 # A bug applying a config must not end the watcher: logged, and the next
                 # edit is still loaded.
