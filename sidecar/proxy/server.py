@@ -20,7 +20,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import StreamReader, web
 from aiohttp.http import HttpVersion10, HttpVersion11, RawRequestMessage
@@ -70,6 +70,14 @@ def _close_requested(head: bytes) -> bool:
     return b"close" in head
 
 
+class TunnelEnd(Protocol):
+    """What a tunnel (proxy/tunnel.py) hears of the client connection it took over."""
+
+    def client_eof(self) -> None: ...
+
+    def client_drained(self) -> None: ...
+
+
 class GuardedRequestHandler(RequestHandler):
     """One client connection of the proxy listener."""
 
@@ -82,6 +90,7 @@ class GuardedRequestHandler(RequestHandler):
         self.in_request = False
         self._closing = False  # a request asked to close: later bytes are ignored
         self._peer = ""  # the client's address, read once per connection
+        self.tunnel: TunnelEnd | None = None  # set while an upgraded connection is relayed
         self._at_boundary = True  # the parser is at the start of a request (proxy/methods.py)
         self._last_length_framed = False  # the last request's body has a Content-Length
 
@@ -95,6 +104,9 @@ class GuardedRequestHandler(RequestHandler):
     # -- the head deadline ------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if self._upgraded or self._payload_parser is not None:
+            super().data_received(data)  # not HTTP any more: the tunnel's bytes
+            return
         if self._closing:
             return  # RFC 9112 section 9.6: after a "close" request, further requests are not read
         end = data.find(b"\r\n\r\n")
@@ -253,6 +265,15 @@ class GuardedRequestHandler(RequestHandler):
     def resume_writing(self) -> None:
         self._cancel_send_timer()
         super().resume_writing()
+        if self.tunnel is not None:
+            self.tunnel.client_drained()
+
+    def eof_received(self) -> bool | None:  # type: ignore[override]
+        """A tunnel's client half-closed: it may still read what the upstream sends."""
+        if self.tunnel is not None:
+            self.tunnel.client_eof()
+            return True
+        return None
 
     def _send_timed_out(self) -> None:
         self._send_timer = None

@@ -183,6 +183,12 @@ class Metrics:
             "Failed writes offered to the DLQ, by route and result "
             "(stored, full, unavailable, body-too-large).",
         )
+        self.upgrades = Counter(
+            "upgrades_total",
+            "Upgrade (WebSocket) requests by route and result: how a tunnel ended (closed, "
+            "idle-timeout, reset, cut) or why none opened (refused, failed).",
+        )
+        self.upgrades_in_flight = Gauge("upgrades_in_flight", "Open upgrade tunnels by route.")
         # Label tuples of the per-request series, made once per route and value: the event
         # handlers below then do plain dict increments.
         self._route: dict[str, Labels] = {}
@@ -213,6 +219,8 @@ class Metrics:
             self.per_try_timeout,
             self.breaker_open_seconds,
             self.endpoints,
+            self.upgrades,
+            self.upgrades_in_flight,
         ]
 
     def render(self) -> str:
