@@ -73,6 +73,8 @@ def _close_requested(head: bytes) -> bool:
 class TunnelEnd(Protocol):
     """What a tunnel (proxy/tunnel.py) hears of the client connection it took over."""
 
+    def feed_data(self, data: bytes) -> tuple[bool, bytes]: ...
+
     def client_eof(self) -> None: ...
 
     def client_drained(self) -> None: ...
@@ -104,6 +106,11 @@ class GuardedRequestHandler(RequestHandler):
     # -- the head deadline ------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if self.tunnel is not None:
+            # Straight to the tunnel, also once a drain has begun (aiohttp then drops what a
+            # connection sends: its requests are over, a tunnel is not).
+            self.tunnel.feed_data(data)
+            return
         if self._upgraded or self._payload_parser is not None:
             super().data_received(data)  # not HTTP any more: the tunnel's bytes
             return
