@@ -31,6 +31,7 @@ from sidecar.lifecycle import Lifecycle
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.handler import ProxyHandler
 from sidecar.proxy.server import SidecarServer
+from sidecar.proxy.tunnel import Tunnels
 from sidecar.retry.breaker import GAUGE, State
 from sidecar.telemetry.events import BreakerTransitioned, EventSink, Fanout
 from sidecar.telemetry.metrics import Labels, Metrics
@@ -119,6 +120,11 @@ class Sidecar:
             malformed=lambda reason: self.metrics.malformed.inc((("reason", reason),)),
             dlq_write=lambda route, result: self.metrics.dlq_writes.inc(
                 (("route", route), ("result", result))
+            ),
+            tunnels=Tunnels(
+                lambda route, result: self.metrics.upgrades.inc(
+                    (("route", route), ("result", result))
+                )
             ),
         )
         self.reloader = (
@@ -251,6 +257,9 @@ class Sidecar:
         m.per_try_timeout.collect = per_route(per_try)
         m.breaker_open_seconds.collect = per_route(lambda st, r, now: st.breaker.open_period)
         m.endpoints.collect = endpoints
+        m.upgrades_in_flight.collect = per_route(
+            lambda st, r, now: float(self.deps.tunnels.open.get(r.name, 0))
+        )
         self.metrics.dlq_records.collect = dlq_records
         self.metrics.dlq_oldest.collect = dlq_oldest
         self.metrics.breaker_state.collect = breaker_states

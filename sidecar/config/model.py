@@ -138,6 +138,17 @@ class HedgePolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class UpgradePolicy:
+    """HTTP Upgrade (WebSocket and others): passed through as a tunnel when enabled (the
+    upstream's 101 relayed, then bytes both ways), cut after ``idle_timeout`` without a byte
+    either way. Disabled, an upgrade request is an ordinary request without its ``Upgrade``,
+    as nginx sends it without upgrade configuration."""
+
+    enabled: bool = True
+    idle_timeout: float = 3600.0  # Envoy's TCP proxy idle timeout
+
+
+@dataclass(frozen=True, slots=True)
 class Redrive:
     enabled: bool = False
     interval: float = 30.0
@@ -205,6 +216,7 @@ class Route:
     stream_idle_timeout: float = 60.0
     throttle: ThrottlePolicy = field(default_factory=ThrottlePolicy)
     hedge: HedgePolicy = field(default_factory=HedgePolicy)
+    upgrade: UpgradePolicy = field(default_factory=UpgradePolicy)
 
     @property
     def upstream(self) -> Upstream:

@@ -44,6 +44,7 @@ from sidecar.config.model import (
     Route,
     RouteDlq,
     ThrottlePolicy,
+    UpgradePolicy,
     Upstream,
     UpstreamPool,
 )
@@ -82,6 +83,7 @@ ROUTE_SECTIONS = (
     "bulkhead",
     "throttle",
     "hedge",
+    "upgrade",
     "dlq",
 )
 DEFAULT_TRUSTED = ("127.0.0.0/8", "::1/128")
@@ -285,6 +287,15 @@ class _Parser:
                 raw, "min_per_second", path, _non_negative_number, base.min_per_second
             ),
             window=self.field(raw, "window", path, _positive_duration, base.window),
+        )
+
+    def upgrade(self, value: object, path: Path, base: UpgradePolicy) -> UpgradePolicy:
+        raw = self.mapping(value, path, ("enabled", "idle_timeout"))
+        return UpgradePolicy(
+            enabled=self.field(raw, "enabled", path, _bool, base.enabled),
+            idle_timeout=self.field(
+                raw, "idle_timeout", path, _positive_duration, base.idle_timeout
+            ),
         )
 
     def route_dlq(self, value: object, path: Path, base: RouteDlq) -> RouteDlq:
@@ -506,6 +517,8 @@ class _Parser:
             out["throttle"] = self.throttle(raw["throttle"], (*path, "throttle"), base["throttle"])
         if "hedge" in raw:
             out["hedge"] = self.hedge(raw["hedge"], (*path, "hedge"), base["hedge"])
+        if "upgrade" in raw:
+            out["upgrade"] = self.upgrade(raw["upgrade"], (*path, "upgrade"), base["upgrade"])
         if "dlq" in raw:
             out["dlq"] = self.route_dlq(raw["dlq"], (*path, "dlq"), base["dlq"])
         return out
@@ -560,6 +573,7 @@ class _Parser:
                     dlq=sections["dlq"],
                     throttle=sections["throttle"],
                     hedge=sections["hedge"],
+                    upgrade=sections["upgrade"],
                 )
             )
         return routes
@@ -578,6 +592,7 @@ _DEFAULT_SECTIONS: dict[str, Any] = {
     "bulkhead": BulkheadPolicy(),
     "throttle": ThrottlePolicy(),
     "hedge": HedgePolicy(),
+    "upgrade": UpgradePolicy(),
     "dlq": RouteDlq(),
 }
 

@@ -38,6 +38,7 @@ class AttemptSender:
         "_method",
         "_span",
         "_tracing",
+        "_upgrade",
     )
 
     def __init__(
@@ -51,6 +52,7 @@ class AttemptSender:
         body: Body,
         chunked: bool,
         deadline: Deadline,
+        upgrade: bool = False,
     ) -> None:
         self._client = client
         self._clock = clock
@@ -62,6 +64,7 @@ class AttemptSender:
         self._body = body
         self._chunked = chunked
         self._deadline = deadline
+        self._upgrade = upgrade  # the request asks for a protocol switch (a tunnel)
 
     def time_left(self) -> float:
         """Called once a streamed body has been sent: the deadline starts from there."""
@@ -95,6 +98,7 @@ class AttemptSender:
                 self._head_only,
                 self._chunked,
                 self.time_left,
+                self._upgrade,
             )
         except BaseException as exc:
             if attempt_span is not None:

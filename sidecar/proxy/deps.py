@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sidecar.config.store import ConfigStore
 from sidecar.engine.deps import EngineDeps
+from sidecar.proxy.tunnel import Tunnels
 
 if TYPE_CHECKING:
     # The store (and sqlite3 with it) is loaded only when a DLQ opens: a type here, nothing more.
@@ -20,3 +21,4 @@ class ProxyDeps(EngineDeps):
     malformed: Callable[[str], None] = lambda reason: None  # counts refused requests
     dlq: DlqStore | None = None
     dlq_write: Callable[[str, str], None] = lambda route, result: None  # (route, result)
+    tunnels: Tunnels = field(default_factory=Tunnels)  # upgraded connections being relayed

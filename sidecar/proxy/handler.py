@@ -43,6 +43,7 @@ from sidecar.proxy.respond import (
 )
 from sidecar.proxy.routing import Refused, find_route, request_target
 from sidecar.proxy.server import GuardedRequestHandler, transport_peer
+from sidecar.proxy.tunnel import not_opened, relay, switched, upgrade_headers, upgrade_wanted
 from sidecar.retry.deadline import Deadline, parse_timeout_ms
 from sidecar.telemetry.events import SequenceEnded
 from sidecar.telemetry.logs import RateLimit
@@ -154,6 +155,9 @@ class ProxyHandler:
             default_host=route.upstream.authority.encode(),
             authority=where.authority.encode("latin-1") if where.authority else None,
         )
+        upgrade = upgrade_wanted(request, route)  # a tunnel asked for (proxy/tunnel.py)
+        if upgrade is not None:
+            shared.extend(upgrade_headers(upgrade))
         tracing = deps.tracing
         span: Span | None = None
         if tracing.enabled:
@@ -171,7 +175,17 @@ class ProxyHandler:
                 # without this a client waits its expect timeout (curl: 1 s) before sending.
                 await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             return await self._sequence(
-                request, config, route, target, shared, as_received, edge, timeout_ms, start, span
+                request,
+                config,
+                route,
+                target,
+                shared,
+                as_received,
+                edge,
+                timeout_ms,
+                start,
+                span,
+                upgrade,
             )
         except BodyTooLarge as exc:
             deps.malformed("body-too-large")
@@ -226,13 +240,14 @@ class ProxyHandler:
         timeout_ms: bytes | None,
         start: float,
         span: Span | None,
+        upgrade: bytes | None = None,
     ) -> web.StreamResponse:
         deps = self.deps
         method = request.method
         # Body: buffered up to max_body_bytes so it can be resent; streamed once beyond.
         body: Body = None
         chunked = False
-        replayable = True
+        replayable = upgrade is None  # an upgrade is sent once (a connect failure aside)
         if request.body_exists:
             idle = config.limits.body_idle_timeout
             max_total = config.limits.max_request_body
@@ -273,9 +288,25 @@ class ProxyHandler:
             deadline,
             key is not None and key.strip() != "",
             span,
+            upgrade is not None,
         )
         async with Sequence(deps, config.name.encode(), exchange) as seq:
             result = seq.result
+            if upgrade is not None:
+                up = result.response if result is not None else None
+                if result is not None and up is not None and switched(up):
+                    return await relay(
+                        request,
+                        route,
+                        up,
+                        upgrade,
+                        _headers(result, None),
+                        deps.tunnels,
+                        lambda resp: self._finish(
+                            request, route, start, resp, result.fate, result.attempts, None, span
+                        ),
+                    )
+                not_opened(deps.tunnels, route, up)
             if (
                 result is not None
                 and result.response is not None

@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import StreamReader, web
 from aiohttp.http import HttpVersion10, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
-from aiohttp.web_protocol import RequestHandler, _ErrInfo
+from aiohttp.web_protocol import MAX_MSG_QUEUE_SIZE, RequestHandler, _ErrInfo
 
+from sidecar.proxy.methods import ends_at_boundary, stand_in, starts_request_line
 from sidecar.proxy.respond import client_error
 from sidecar.telemetry.logs import RateLimit
 
@@ -35,6 +36,8 @@ MAX_LINE = 8190
 MAX_FIELD = 8190
 MAX_HEADERS = 100
 _VERSIONS = (HttpVersion10, HttpVersion11)
+# Requests queued at which aiohttp's parser pauses and keeps the rest of a read back.
+_PARSER_QUEUE = MAX_MSG_QUEUE_SIZE
 
 
 def _error_bytes(answer: web.Response, reason: str) -> bytes:
@@ -70,6 +73,16 @@ def _close_requested(head: bytes) -> bool:
     return b"close" in head
 
 
+class TunnelEnd(Protocol):
+    """What a tunnel (proxy/tunnel.py) hears of the client connection it took over."""
+
+    def feed_data(self, data: bytes) -> tuple[bool, bytes]: ...
+
+    def client_eof(self) -> None: ...
+
+    def client_drained(self) -> None: ...
+
+
 class GuardedRequestHandler(RequestHandler):
     """One client connection of the proxy listener."""
 
@@ -82,6 +95,9 @@ class GuardedRequestHandler(RequestHandler):
         self.in_request = False
         self._closing = False  # a request asked to close: later bytes are ignored
         self._peer = ""  # the client's address, read once per connection
+        self.tunnel: TunnelEnd | None = None  # set while an upgraded connection is relayed
+        self._at_boundary = True  # the parser is at the start of a request (proxy/methods.py)
+        self._last_length_framed = False  # the last request's body has a Content-Length
 
     def peer(self) -> str:
         """The client's address. Kept for the connection's life: uvloop asks the kernel
@@ -93,6 +109,14 @@ class GuardedRequestHandler(RequestHandler):
     # -- the head deadline ------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        if self.tunnel is not None:
+            # Straight to the tunnel, also once a drain has begun (aiohttp then drops what a
+            # connection sends: its requests are over, a tunnel is not).
+            self.tunnel.feed_data(data)
+            return
+        if self._upgraded or self._payload_parser is not None:
+            super().data_received(data)  # not HTTP any more: the tunnel's bytes
+            return
         if self._closing:
             return  # RFC 9112 section 9.6: after a "close" request, further requests are not read
         end = data.find(b"\r\n\r\n")
@@ -111,6 +135,14 @@ class GuardedRequestHandler(RequestHandler):
                 self._closing = True
                 return
             data = data[end + 4 :]
+        while self._at_boundary:
+            # Pipelined heads are fed one at a time while each leaves the parser at the next
+            # request's start, so that a method it does not know is seen there too.
+            end = data.find(b"\r\n\r\n")
+            if end < 0 or not starts_request_line(data[end + 4 :]):
+                break
+            self._feed(data[: end + 4])
+            data = data[end + 4 :]
         self._feed(data)
 
     def _feed(self, data: bytes) -> None:
@@ -125,6 +157,16 @@ class GuardedRequestHandler(RequestHandler):
             and self._head_timer is None
             and (last is None or last.is_eof())
         )
+        was_boundary = self._at_boundary
+        body_before = last.total_bytes if last is not None and not last.is_eof() else -1
+        method: str | None = None
+        if (
+            self._at_boundary
+            and len(self._messages) < _PARSER_QUEUE - 1  # so the parser keeps no tail back
+            and self._payload_parser is None
+        ):
+            data, method = stand_in(data)  # a method the parser does not know
+        self._at_boundary = False
         before = len(self._messages)
         super().data_received(data)
         if len(self._messages) == before:
@@ -152,6 +194,8 @@ class GuardedRequestHandler(RequestHandler):
                 del self._messages[before]
                 last.set_exception(first.exc)
                 return
+            if method is not None and isinstance(first, RawRequestMessage):
+                self._messages[before] = (first._replace(method=method), self._messages[before][1])
             # A whole head was parsed (or rejected): the deadline is met.
             self.in_request = True
             self._cancel_head_timer()
@@ -163,6 +207,31 @@ class GuardedRequestHandler(RequestHandler):
                     # refuse it before any handler sees it, answered as HTTP/1.x.
                     err = BadHttpMessage(f"unsupported HTTP version {msg.version}")
                     self._messages[i] = (_ErrInfo(400, err, err.message), payload)
+        if data or len(self._messages) != before:  # aiohttp feeds b"" to resume parsing
+            self._at_boundary = self._ends_at_boundary(data, before, was_boundary, body_before)
+        else:
+            self._at_boundary = was_boundary
+
+    def _ends_at_boundary(
+        self, data: bytes, before: int, was_boundary: bool, body_before: int
+    ) -> bool:
+        """Whether the parser, fed ``data``, stopped exactly at the start of a request."""
+        payload = self._last_payload
+        pending = payload is not None and not payload.is_eof()
+        new = len(self._messages) - before
+        if new:
+            msg = self._messages[-1][0]
+            self._last_length_framed = (
+                isinstance(msg, RawRequestMessage) and not msg.chunked and payload is not None
+            )
+            if new == 1 and was_boundary and self._last_length_framed and not pending:
+                # One head and its whole Content-Length body: nothing may follow them.
+                assert payload is not None
+                return data.find(b"\r\n\r\n") + 4 + payload.total_bytes == len(data)
+        elif body_before >= 0 and not pending and self._last_length_framed:
+            assert payload is not None  # the rest of a Content-Length body, and nothing else?
+            return payload.total_bytes - body_before == len(data)
+        return ends_at_boundary(data, pending)
 
     def request_done(self) -> None:
         """Called by the proxy handler when its response is finished."""
@@ -205,6 +274,15 @@ class GuardedRequestHandler(RequestHandler):
     def resume_writing(self) -> None:
         self._cancel_send_timer()
         super().resume_writing()
+        if self.tunnel is not None:
+            self.tunnel.client_drained()
+
+    def eof_received(self) -> bool | None:  # type: ignore[override]
+        """A tunnel's client half-closed: it may still read what the upstream sends."""
+        if self.tunnel is not None:
+            self.tunnel.client_eof()
+            return True
+        return None
 
     def _send_timed_out(self) -> None:
         self._send_timer = None

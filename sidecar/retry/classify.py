@@ -60,6 +60,12 @@ class Outcome:
         return str(self.kind.value)
 
 
+# The writes ``retry.non_idempotent`` governs. Any other method (BREW, LOCK, a method the sidecar
+# has never heard of) says nothing about what resending it would do: never resent once a byte
+# of it may have reached the upstream, whatever the policy.
+RESENDABLE_WRITES = frozenset({"POST", "PATCH"})
+
+
 def is_retryable(policy: RetryPolicy, outcome: Outcome) -> bool:
     on = policy.retry_on
     kind = outcome.kind
@@ -82,6 +88,8 @@ def may_resend(policy: RetryPolicy, method: str, has_idempotency_key: bool) -> b
     """Whether a request whose bytes may have reached the upstream can be sent again."""
     if method in IDEMPOTENT_METHODS:
         return True
+    if method not in RESENDABLE_WRITES:
+        return False
     mode = policy.non_idempotent
     if mode == "always":
         return True

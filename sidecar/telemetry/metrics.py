@@ -190,6 +190,12 @@ class Metrics:
         )
         for via in ADMIN_AUTH_VIAS:
             self.admin_auth_failures.values[(("via", via),)] = 0.0
+        self.upgrades = Counter(
+            "upgrades_total",
+            "Upgrade (WebSocket) requests by route and result: how a tunnel ended (closed, "
+            "idle-timeout, reset, cut) or why none opened (refused, failed).",
+        )
+        self.upgrades_in_flight = Gauge("upgrades_in_flight", "Open upgrade tunnels by route.")
         # Label tuples of the per-request series, made once per route and value: the event
         # handlers below then do plain dict increments.
         self._route: dict[str, Labels] = {}
@@ -221,6 +227,8 @@ class Metrics:
             self.breaker_open_seconds,
             self.endpoints,
             self.admin_auth_failures,
+            self.upgrades,
+            self.upgrades_in_flight,
         ]
 
     def render(self) -> str:

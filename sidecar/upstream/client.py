@@ -89,6 +89,18 @@ class UpstreamResponse:
             self._done = True
             self._pool.release(self._conn)
 
+    def detach(self) -> tuple[asyncio.Transport | None, bytes]:
+        """After a 101 that was asked for: the connection leaves the pool (its slot is freed,
+        nothing closes it) and is handed over with the new protocol's bytes read so far. The
+        transport is None when the upstream had already closed it."""
+        conn = self._conn
+        assert conn.tunnel_bytes is not None and not self._done
+        self._done = True
+        self._pool.detach(conn)
+        tail = bytes(conn.tunnel_bytes)
+        conn.tunnel_bytes = None
+        return (None if conn.closed else conn.transport), tail
+
     def discard(self) -> None:
         """Drop the response: the connection is kept only if the body already ended."""
         if not self._done:
@@ -124,6 +136,7 @@ class UpstreamClient:
         head_only: bool = False,
         chunked: bool = False,
         time_left: Callable[[], float] | None = None,
+        upgrade: bool = False,
     ) -> UpstreamResponse:
         """Send ``head`` (request line and headers, ending in a blank line) and ``body``.
 
@@ -134,6 +147,7 @@ class UpstreamClient:
         ``timeout``. An upstream that answers before the body is all sent gets no more of it:
         its answer is returned and the connection is not reused. The request is sent once: a
         failure is raised as an UpstreamError for the retry engine to judge, never resent here.
+        ``upgrade``: the request asks for a protocol switch, and a 101 is an answer to it.
         """
         pool = self.pool(host, port)
         # The pool's loop: asyncio.get_running_loop() costs a getpid() system call per call
@@ -146,7 +160,7 @@ class UpstreamClient:
             pool.release(conn)
             raise NoTimeLeft("no time left to send the request")
         try:
-            conn.begin(head_only)
+            conn.begin(head_only, upgrade)
             if body is None or isinstance(body, bytes):
                 conn.write(head + body if body else head)
                 conn.request_sent()

@@ -68,6 +68,8 @@ class Connection(asyncio.Protocol):
         "state",
         "status",
         "transport",
+        "tunnel_bytes",
+        "upgrade",
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, key: tuple[str, int]) -> None:
@@ -82,6 +84,10 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._timer: asyncio.TimerHandle | None = None
         self.idle_handle: asyncio.TimerHandle | None = None
+        self.upgrade = False  # this exchange asks for an Upgrade: a 101 is its answer
+        # After a 101 that was asked for: the bytes of the new protocol read so far, kept for
+        # the tunnel (proxy/tunnel.py), which then takes the transport over.
+        self.tunnel_bytes: bytearray | None = None
         self._reset_exchange()
 
     def _reset_exchange(self) -> None:
@@ -129,6 +135,9 @@ class Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if self.tunnel_bytes is not None:
+            self.tunnel_bytes += data
+            return
         resp = self.state.resp
         if resp is Resp.IDLE:
             # Bytes nobody asked for (an idle pooled connection): its state is unknown.
@@ -140,7 +149,12 @@ class Connection(asyncio.Protocol):
             return
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
+        except httptools.HttpParserUpgrade as switched:
+            tail = self._switched_to()  # set by the callbacks this feed ran
+            if tail is not None:  # the 101 asked for: the rest is the new protocol's
+                offset = switched.args[0] if switched.args else len(data)
+                tail += data[offset:]
+                return
             self._fail(
                 BadResponse("upstream tried to upgrade the connection", "http_upgrade_failed")
             )
@@ -218,8 +232,19 @@ class Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
         if status == 101:
-            # Upgrade is hop-by-hop and never sent upstream: a switch is not ours to relay.
-            raise BadResponse("upstream switched protocols unasked", "http_upgrade_failed")
+            if not self.upgrade or not any(n.lower() == b"upgrade" for n, _ in self.headers):
+                # Upgrade is sent upstream only by a tunnel (proxy/tunnel.py), and a 101
+                # must name the protocol switched to (RFC 9110 section 15.2.2).
+                raise BadResponse("upstream switched protocols unasked", "http_upgrade_failed")
+            # The switch asked for: the response ends with its head, the connection is the
+            # tunnel's from here (never pooled), and what follows is not HTTP.
+            self.status = status
+            self.tunnel_bytes = bytearray()
+            self.state.to_link(Link.MUST_CLOSE)
+            self.state.response(Resp.DONE)
+            self._cancel_timer()
+            self._wake()
+            return
         if 100 <= status < 200:
             # Interim: the final response follows on the same connection. 100 Continue is
             # dropped (the sidecar answers Expect itself and never sends one upstream).
@@ -307,12 +332,13 @@ class Connection(asyncio.Protocol):
             and not self.transport.is_closing()
         )
 
-    def begin(self, head_only: bool) -> None:
-        """Prepare for one request/response exchange."""
+    def begin(self, head_only: bool, upgrade: bool = False) -> None:
+        """Prepare for one request/response exchange (``upgrade``: it asks for a switch)."""
         if self.state.req is not Req.IDLE:
             self.state.next_exchange()  # raises unless the last exchange ended cleanly
         self._reset_exchange()
         self.head_only = head_only
+        self.upgrade = upgrade
         self._parser = httptools.HttpResponseParser(self)
         self.state.begin()
 
@@ -417,6 +443,9 @@ class Connection(asyncio.Protocol):
         if self.state.resp in (Resp.AWAITING_HEAD, Resp.BODY) and self.error is None:
             self._fail(UpstreamReset("the connection was closed mid-exchange"))
         self.state.to_link(Link.CLOSED)
+
+    def _switched_to(self) -> bytearray | None:
+        return self.tunnel_bytes
 
     def _extra(self) -> None:
         """Bytes after a complete response: drop them and close (nginx: "upstream sent more

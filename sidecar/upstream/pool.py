@@ -180,6 +180,12 @@ class Pool:
         self._total -= 1
         self._grant_next()
 
+    def detach(self, conn: Connection) -> None:
+        """A caller keeps ``conn`` for good (a tunnel after a 101): its slot is freed, the
+        connection is the caller's to close."""
+        self._total -= 1
+        self._grant_next()
+
     def _park(self, conn: Connection) -> None:
         conn.idle_handle = self._loop.call_later(
             self.settings.idle_timeout, self._expire_idle, conn
