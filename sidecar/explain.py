@@ -74,7 +74,8 @@ def _storm_lines(route: Route) -> list[str]:
     else:
         lines.append(
             f"  concurrency: fixed bulkhead of {bh.max_concurrent} sequences, queue "
-            f"{format_duration(bh.queue_timeout)}"
+            f"{format_duration(bh.queue_timeout)} (adaptive limit: opt-in per route, "
+            "bulkhead: {adaptive: true})"
         )
     eps = ", ".join(u.authority for u in route.upstreams)
     lines.append(

@@ -17,7 +17,7 @@ from sidecar.retry.concurrency import (
     Ticket,
 )
 
-POLICY = BulkheadPolicy(max_concurrent=1000, min_concurrent=5)
+POLICY = BulkheadPolicy(max_concurrent=1000, min_concurrent=5, adaptive=True)
 
 
 class QueueingUpstream:
@@ -68,7 +68,7 @@ def drive(lim: AdaptiveLimit, rate: float, seconds: float, latency_of) -> dict[s
 
 
 def test_starts_at_its_initial_limit_and_refuses_over_it():
-    lim = AdaptiveLimit(BulkheadPolicy(max_concurrent=1000, min_concurrent=5))
+    lim = AdaptiveLimit(BulkheadPolicy(max_concurrent=1000, min_concurrent=5, adaptive=True))
     tickets = [lim.try_acquire(0.0) for _ in range(INITIAL_LIMIT)]
     assert all(t is not None for t in tickets)
     assert lim.try_acquire(0.0) is None and lim.refused == 1
@@ -128,7 +128,7 @@ def test_a_binding_limit_without_calm_samples_measures_min_rtt_again():
     # dependency, not a queue): the limit binds and no attempt is ever calm, so min_rtt
     # would stay the old one forever. After MIN_RTT_WINDOW of refusing it is measured again
     # at the minimum limit, and the new no-load latency is adopted.
-    lim = AdaptiveLimit(BulkheadPolicy(max_concurrent=1000, min_concurrent=5))
+    lim = AdaptiveLimit(BulkheadPolicy(max_concurrent=1000, min_concurrent=5, adaptive=True))
     fast = QueueingUpstream(workers=5, service=0.05)
     slow = QueueingUpstream(workers=5, service=0.5)
     pending: list[tuple[float, int, object, float]] = []
@@ -165,7 +165,7 @@ def test_a_binding_limit_without_calm_samples_measures_min_rtt_again():
 )
 def test_in_flight_and_limit_stay_in_bounds(ops, lo, span):
     hi = lo + span
-    lim = AdaptiveLimit(BulkheadPolicy(max_concurrent=hi, min_concurrent=lo))
+    lim = AdaptiveLimit(BulkheadPolicy(max_concurrent=hi, min_concurrent=lo, adaptive=True))
     held: list[Ticket] = []
     now = 0.0
     for acquire, gap, lat in ops:

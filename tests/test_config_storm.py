@@ -49,7 +49,7 @@ def test_shipped_defaults():
     assert r.throttle == ThrottlePolicy(True, 2.0, 1.0, 10)
     # Hedging is opt-in: with shipped defaults no request is duplicated while in progress.
     assert r.hedge == HedgePolicy(False, frozenset({"GET", "HEAD", "OPTIONS"}), 0.1, 1.0, 10.0)
-    assert r.bulkhead == BulkheadPolicy(1000, 1.0, True, 5)
+    assert r.bulkhead == BulkheadPolicy(1000, 1.0, False, 5)  # adaptive: opt-in
 
 
 def test_the_example_file_shows_every_default():

@@ -197,11 +197,14 @@ def test_explain_shows_every_storm_control_mechanism_and_its_off_switch():
         "hedging: off (opt-in per route: hedge: {enabled: true})",
         "breaker: opens when >= 0.95 of >= 20 sequences in 10s",
         "open 1s, doubled on each reopen up to 30s; half-open ramps traffic back over 1s",
-        "concurrency: adaptive, 5..1000 upstream attempts in flight",
+        "concurrency: fixed bulkhead of 1000 sequences, queue 1s (adaptive limit: opt-in per "
+        "route, bulkhead: {adaptive: true})",
         "endpoints: h:1",
         "kill switch: one attempt through the same path, none of the above",
     ):
         assert fragment in on, fragment
+    adaptive = "\n".join(explain_route(route_of("{attempts: 3}\n    bulkhead: {adaptive: true}")))
+    assert "concurrency: adaptive, 5..1000 upstream attempts in flight" in adaptive
     c = parse_text(
         "version: 1\nroutes:\n  - name: r\n    upstream: [http://a:1, http://b:2]\n"
         "    retry: {per_try_timeout: 2s}\n    throttle: {enabled: false}\n"

@@ -100,7 +100,8 @@ async def test_the_kill_switch_turns_every_adaptive_mechanism_off(
     sc = await sidecar_factory(
         routes_yaml(
             up.url,
-            "    retry: {auto_timeout: {min: 50ms, max: 100ms}}\n    hedge: {enabled: true}",
+            "    retry: {auto_timeout: {min: 50ms, max: 100ms}}\n    hedge: {enabled: true}\n"
+            "    bulkhead: {adaptive: true}",
         )
     )
     st = sc.sidecar.states.get("main")
@@ -113,6 +114,7 @@ async def test_the_kill_switch_turns_every_adaptive_mechanism_off(
     held = []
     while (t := st.limiter.try_acquire(now)) is not None:
         held.append(t)
+        assert len(held) <= 1000, "the adaptive limit never refused"
     try:
         async with client.get(sc.url + "/x") as resp:
             assert resp.headers["x-retry-fate"] == "breaker-open"
@@ -133,12 +135,13 @@ async def test_the_concurrency_limit_refuses_at_once_with_its_own_code(
     upstream_factory, sidecar_factory, client
 ):
     up = await upstream_factory(reply(200))
-    sc = await sidecar_factory(routes_yaml(up.url))
+    sc = await sidecar_factory(routes_yaml(up.url, "    bulkhead: {adaptive: true}"))
     st = sc.sidecar.states.get("main")
     now = time.monotonic()
     held = []
     while (t := st.limiter.try_acquire(now)) is not None:
         held.append(t)
+        assert len(held) <= 1000, "the adaptive limit never refused"
     try:
         async with client.get(sc.url + "/x") as resp:
             assert resp.status == 503

@@ -95,7 +95,9 @@ class BulkheadPolicy:
     queue_timeout: float = 1.0
     # The adaptive concurrency limit: upstream attempts in flight follow latency between
     # min_concurrent and max_concurrent (a gradient limit, as Envoy's adaptive-concurrency).
-    adaptive: bool = True
+    # Opt-in, as Envoy's filter is: it reads long-polls and slow handlers as overload and
+    # refuses requests that the app, asked directly, would answer.
+    adaptive: bool = False
     min_concurrent: int = 5
 
 

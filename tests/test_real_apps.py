@@ -1,0 +1,129 @@
+"""Real apps through the real sidecar process with its shipped defaults: an app must see the
+requests it would see direct, plus retries of failures, never a duplicate of a request still in
+progress and never a refusal a direct connection would not make."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from tests.difftools import stop, wait_http
+from tests.proc import SidecarProcess, free_port
+
+
+async def shipped_defaults_sidecar(tmp_path: Path, upstream: str) -> tuple[SidecarProcess, int]:
+    """The real process with nothing but its listeners and one route: every policy key is the
+    shipped default."""
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(
+        f'version: 1\nlisten: "127.0.0.1:{port}"\nadmin: {{listen: "127.0.0.1:{admin}"}}\n'
+        f'dlq: {{path: "{tmp_path / "dlq.sqlite3"}"}}\n'
+        f'routes:\n  - name: app\n    upstream: "{upstream}"\n'
+    )
+    proc = SidecarProcess(cfg)
+    proc.start()
+    try:
+        await proc.wait_port(port, admin)
+    except BaseException:
+        proc.terminate()
+        raise
+    return proc, port
+
+
+def start_single_worker_app(port: int) -> subprocess.Popen[bytes]:
+    """tests/realapp.py under gunicorn's defaults: one sync worker, one request at a time."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "--bind", f"127.0.0.1:{port}", "--log-level",
+         "warning", "tests.realapp:app"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    wait_http(port, "/count", proc, "gunicorn")
+    return proc
+
+
+async def test_slow_handlers_of_a_single_worker_app_run_once_each(tmp_path: Path) -> None:
+    """A route of fast GETs and slow GETs in front of gunicorn's single sync worker: each
+    slow GET must run its handler once. A hedge of a slow GET (the adaptive per-try timeout
+    learnt from the fast ones) queues behind the original in the one worker and runs the
+    handler again for nothing; the shipped defaults must never send it."""
+    app_port = free_port()
+    app = start_single_worker_app(app_port)
+    proc, port = await shipped_defaults_sidecar(tmp_path, f"http://127.0.0.1:{app_port}")
+    try:
+        async with aiohttp.ClientSession() as client:
+            for _ in range(40):
+                async with client.get(f"http://127.0.0.1:{port}/fast?ms=1") as r:
+                    assert r.status == 200
+            for _ in range(8):
+                async with client.get(f"http://127.0.0.1:{port}/slow?ms=300") as r:
+                    assert r.status == 200, await r.text()
+                    assert await r.read() == b"done"
+            # Straight to the app: its one worker takes connections in the order they came,
+            # so any duplicate the sidecar left queued is handled before this count.
+            async with client.get(f"http://127.0.0.1:{app_port}/count") as r:
+                handled = json.loads(await r.read())
+        assert handled == {"/fast": 40, "/slow": 8}
+    finally:
+        proc.terminate()
+        stop(app)
+
+
+async def test_long_polls_are_never_refused(tmp_path: Path) -> None:
+    """Long-poll clients (each request held 1.5 s by the app) beside one fast client, as a
+    chat or notification app has: direct, the app answers every request. Through the sidecar
+    with its shipped defaults it must too: a concurrency limit that reads the long-polls'
+    latency as overload and refuses them (or the fast client) is worse than no sidecar."""
+    seen: Counter[str] = Counter()
+
+    async def poll(request: web.Request) -> web.Response:
+        seen["poll"] += 1
+        await asyncio.sleep(1.5)
+        return web.Response(text="event")
+
+    async def fast(request: web.Request) -> web.Response:
+        seen["fast"] += 1
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/poll", poll)
+    app.router.add_get("/fast", fast)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    app_port = int(runner.addresses[0][1])
+    proc, port = await shipped_defaults_sidecar(tmp_path, f"http://127.0.0.1:{app_port}")
+    statuses: Counter[tuple[str, int]] = Counter()
+    until = time.monotonic() + 6.0  # each loop ends by itself
+
+    async def client_loop(client: aiohttp.ClientSession, path: str, pause: float) -> None:
+        while time.monotonic() < until:
+            async with client.get(f"http://127.0.0.1:{port}{path}") as r:
+                await r.read()
+                statuses[(path, r.status)] += 1
+            await asyncio.sleep(pause)
+
+    try:
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn) as client:
+            await asyncio.gather(
+                *(client_loop(client, "/poll", 0) for _ in range(120)),
+                client_loop(client, "/fast", 0.02),
+            )
+        refused = {k: n for k, n in statuses.items() if k[1] != 200}
+        assert refused == {}, f"refused through the sidecar: {refused} of {dict(statuses)}"
+        assert seen["poll"] == statuses[("/poll", 200)]
+        assert seen["fast"] == statuses[("/fast", 200)]
+    finally:
+        proc.terminate()
+        await runner.cleanup()
