@@ -33,7 +33,11 @@ from tests.conftest import hang, reply, routes_yaml
 from tests.proc import free_port
 
 # Hedging is opt-in per route: the tests of what it does turn it on.
-FAST_AUTO = "    retry: {auto_timeout: {min: 50ms, max: 100ms}}\n    hedge: {enabled: true}"
+# A route with everything adaptive on: hedging and the concurrency limit are both opt-in.
+FAST_AUTO = (
+    "    retry: {auto_timeout: {min: 50ms, max: 100ms}}\n    hedge: {enabled: true}\n"
+    "    bulkhead: {adaptive: true}"
+)
 
 
 async def until(cond: Callable[[], bool], limit: float = 5.0) -> None:
@@ -347,8 +351,9 @@ async def test_a_hedge_counts_only_if_it_leaves(upstream_factory, sidecar_factor
     sc = await sidecar_factory(
         routes_yaml(
             up.url,
-            FAST_AUTO.replace("retry: {", "retry: {attempts: 2, ")
-            + "\n    bulkhead: {max_concurrent: 2, min_concurrent: 2}",
+            FAST_AUTO.replace("retry: {", "retry: {attempts: 2, ").replace(
+                "bulkhead: {", "bulkhead: {max_concurrent: 2, min_concurrent: 2, "
+            ),
         )
     )
     st = sc.sidecar.states.get("main")
@@ -357,6 +362,7 @@ async def test_a_hedge_counts_only_if_it_leaves(upstream_factory, sidecar_factor
     def another_request_takes_what_is_left() -> None:
         while (t := st.limiter.try_acquire(time.monotonic())) is not None:
             taken.append(t)
+            assert len(taken) <= 2, "the concurrency limit never refused"
 
     loop = asyncio.get_running_loop()
     st.hedge_budget = HedgeBudgetThen(
