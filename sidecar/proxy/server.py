@@ -27,6 +27,7 @@ from aiohttp.http import HttpVersion10, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler, _ErrInfo
 
+from sidecar.proxy.framing import RequestFraming
 from sidecar.proxy.respond import client_error, proxy_status
 from sidecar.telemetry.logs import RateLimit
 
@@ -58,15 +59,6 @@ def transport_peer(transport: asyncio.BaseTransport | None) -> str:
     return ""
 
 
-def _close_requested(head: bytes) -> bool:
-    """Whether a request head (lower-cased) asks for the connection to close after it: a
-    ``close`` option, or HTTP/1.0 without keep-alive. A cheap pre-check; the parser decides."""
-    first, _, _ = head.partition(b"\r\n")
-    if first.endswith(b"http/1.0"):
-        return b"keep-alive" not in head
-    return b"close" in head
-
-
 class GuardedRequestHandler(RequestHandler):
     """One client connection of the proxy listener."""
 
@@ -77,7 +69,9 @@ class GuardedRequestHandler(RequestHandler):
         self._send_timer: asyncio.TimerHandle | None = None
         self._last_payload: StreamReader | None = None  # the body of the last request head
         self.in_request = False
-        self._closing = False  # a request asked to close: later bytes are ignored
+        self._framing = RequestFraming()
+        self._held = b""  # bytes read while the parser kept some of its own (body reader full)
+        self._chunked_open = False  # the last head's chunked body has not ended yet
         self._peer = ""  # the client's address, read once per connection
 
     def peer(self) -> str:
@@ -90,25 +84,54 @@ class GuardedRequestHandler(RequestHandler):
     # -- the head deadline ------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
-        if self._closing:
-            return  # RFC 9112 section 9.6: after a "close" request, further requests are not read
-        end = data.find(b"\r\n\r\n")
-        if 0 <= end < len(data) - 4 and _close_requested(data[:end].lower()):
-            # A request asking to close, with bytes after its head in the same read (its body,
-            # or pipelined requests): aiohttp's parser would refuse the whole read with 400.
-            # Feed the head and the body it announces, and ignore the rest.
-            before = len(self._messages)
-            self._feed(data[: end + 4])
-            msg = self._messages[-1][0] if len(self._messages) > before else None
-            if isinstance(msg, RawRequestMessage) and msg.should_close and not msg.chunked:
-                value = msg.headers.get("Content-Length")
-                length = int(value) if value is not None and value.isdigit() else 0
-                if length:
-                    self._feed(data[end + 4 : end + 4 + length])
-                self._closing = True
+        """Hand the parser one request at a time (``framing.RequestFraming``): a request
+        that closes the connection is parsed with exactly its own body, however many reads
+        that body takes, and whatever follows it is ignored (RFC 9112 section 9.6)."""
+        if not data:
+            # aiohttp's resume_reading: the parser goes on with bytes it kept when its body
+            # reader was full; then the bytes held here while it was full follow.
+            self._feed(b"")
+            self._check_body_end()
+            data, self._held = self._held, b""
+            if not data:
                 return
-            data = data[end + 4 :]
-        self._feed(data)
+        elif self._held:
+            self._held += data
+            return
+        framing = self._framing
+        while data:
+            if self._reading_paused and not framing.passthrough:
+                # The parser keeps the rest of its last input until the body reader has
+                # room: what it made of it is not known yet, so nothing more is cut now.
+                self._held = data
+                return
+            n = framing.take(data)
+            if n == 0:
+                return  # after a request that closes the connection: ignored
+            piece, data = data[:n], data[n:]
+            before = len(self._messages)
+            self._feed(piece)
+            framing.fed(piece)
+            for msg, _payload in list(self._messages)[before:]:
+                if isinstance(msg, RawRequestMessage):
+                    self._chunked_open = msg.chunked
+                    value = msg.headers.get("Content-Length")
+                    framing.head(
+                        int(value) if value is not None and value.isdigit() else 0,
+                        msg.chunked,
+                        msg.should_close,
+                        msg.upgrade,
+                    )
+                else:
+                    framing.refused()
+            self._check_body_end()
+
+    def _check_body_end(self) -> None:
+        """Tell the framing when the parser ended a chunked body (its reader is at EOF)."""
+        last = self._last_payload
+        if last is not None and self._chunked_open and last.is_eof():
+            self._chunked_open = False
+            self._framing.body_ended()
 
     def _feed(self, data: bytes) -> None:
         # Only bytes that start a new head arm the timer: the body of a request already
@@ -125,7 +148,7 @@ class GuardedRequestHandler(RequestHandler):
         before = len(self._messages)
         super().data_received(data)
         if len(self._messages) == before:
-            if starts_head and not self._closing and self.transport is not None:
+            if starts_head and not self._framing.closed and self.transport is not None:
                 # The head is not complete in this read: it has header_timeout from now. (A
                 # head that arrives whole, the common case, never costs a timer.)
                 self._head_timer = self._loop.call_later(
