@@ -531,3 +531,19 @@ def test_the_upstream_receives_what_nginx_would_send_it(upload_world: UploadWorl
     assert ngx_seen[0]["size"] == case.size and ngx_seen[0]["method"] == "PUT"
     assert sc_status == ngx_status
     assert sc_seen == ngx_seen
+
+
+def test_http10_with_transfer_encoding_is_refused_and_the_connection_closed(
+    upload_world: UploadWorld,
+):
+    """RFC 9112 section 6.1: Transfer-Encoding in HTTP/1.0 is faulty framing; nginx answers
+    400 and closes. The request after it on the same connection is never processed."""
+    data = (
+        b"POST /up/te10 HTTP/1.0\r\nHost: up.test\r\nConnection: keep-alive\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n" + NEXT
+    )
+    for port in (upload_world.nginx_port, upload_world.sidecar_port):
+        raw = d.send_in_pieces(port, [data])
+        replies = d.parse_responses(raw, ["POST", "GET"])
+        assert [r.status for r in replies] == [400], (port, raw[:300])
+        assert upload_world.upstream.take() == []

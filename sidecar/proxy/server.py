@@ -183,6 +183,16 @@ class GuardedRequestHandler(RequestHandler):
                     # refuse it before any handler sees it, answered as HTTP/1.x.
                     err = BadHttpMessage(f"unsupported HTTP version {msg.version}")
                     self._messages[i] = (_ErrInfo(400, err, err.message), payload)
+                elif (
+                    isinstance(msg, RawRequestMessage)
+                    and msg.version == HttpVersion10
+                    and "Transfer-Encoding" in msg.headers
+                ):
+                    # RFC 9112 section 6.1: Transfer-Encoding in an HTTP/1.0 message is
+                    # faulty framing (an old intermediary may frame it by Content-Length or
+                    # by the close): refused, and the connection closed (nginx: 400).
+                    err = BadHttpMessage("Transfer-Encoding in an HTTP/1.0 request")
+                    self._messages[i] = (_ErrInfo(400, err, err.message), payload)
 
     def request_done(self) -> None:
         """Called by the proxy handler when its response is finished."""
