@@ -20,6 +20,7 @@ Documented differences (README "Deliberate differences"), and only these, are re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import hashlib
 import http.client
@@ -617,14 +618,14 @@ class Received:
 
 class RecordingUpstream:
     """An aiohttp upstream in a thread of its own (the suite's clients are blocking): it
-    records every request and answers 200 with the request's size; a request whose target
-    starts with /refuse is answered 413 at once, its body unread."""
+    records every request and answers 200 with the request's size."""
 
     def __init__(self) -> None:
         import threading
 
         self.seen: list[Received] = []
         self.port = 0
+        self.raw_port = 0  # bodiless requests, heads taken as bytes (targets over 0x7F)
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
@@ -638,8 +639,6 @@ class RecordingUpstream:
         from aiohttp import web
 
         async def handle(request: web.BaseRequest) -> web.StreamResponse:
-            if request.raw_path.startswith("/refuse"):
-                return web.Response(status=413, body=b"too big")
             body = await request.content.read()  # no size limit (request.read has 1 MiB)
             te = request.headers.get("Transfer-Encoding", "")
             framing_kind = (
@@ -660,6 +659,27 @@ class RecordingUpstream:
                 self.seen.append(got)
             return web.Response(body=b"%d" % len(body))
 
+        async def raw_heads(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            # Request heads taken as bytes (aiohttp's parser refuses bytes over 0x7F in a
+            # target, which nginx passes on): bodiless requests only.
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                while True:
+                    head = await r.readuntil(b"\r\n\r\n")
+                    line, *fields = head[:-4].split(b"\r\n")
+                    method, target, _ = line.split(b" ")
+                    pairs = tuple(
+                        (k.decode("latin-1"), v.strip().decode("latin-1"))
+                        for k, _, v in (f.partition(b":") for f in fields)
+                    )
+                    got = Received(method.decode(), target.decode("latin-1"), pairs, b"", "none")
+                    with self._lock:
+                        self.seen.append(got)
+                    w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    await w.drain()
+            w.close()
+
+        raw = await asyncio.start_server(raw_heads, "127.0.0.1", 0)
+        self.raw_port = raw.sockets[0].getsockname()[1]
         server = web.Server(handle, auto_decompress=False, access_log=None)
         runner = web.ServerRunner(server)
         await runner.setup()
@@ -670,6 +690,7 @@ class RecordingUpstream:
         self._stop = asyncio.Event()
         self._ready.set()
         await self._stop.wait()
+        raw.close()
         await runner.cleanup()
 
     def take(self) -> list[Received]:
@@ -750,6 +771,12 @@ http {{
   keepalive_timeout 30s;
   server {{
     listen 127.0.0.1:{port};
+    location /raw/ {{
+      proxy_pass http://127.0.0.1:{raw};
+      proxy_http_version 1.1;
+      proxy_set_header Host $http_host;
+      proxy_set_header Connection "";
+    }}
     location / {{
       proxy_pass http://127.0.0.1:{upstream};
       proxy_http_version 1.1;
@@ -761,11 +788,12 @@ http {{
 """
 
 
-def start_nginx_proxy(port: int, upstream: int, root: Path) -> subprocess.Popen[bytes]:
-    """nginx as a reverse proxy in the sidecar's place, in front of ``upstream``."""
+def start_nginx_proxy(port: int, upstream: int, raw: int, root: Path) -> subprocess.Popen[bytes]:
+    """nginx as a reverse proxy in the sidecar's place, in front of ``upstream`` (``raw`` for
+    targets under /raw/)."""
     root.mkdir(parents=True, exist_ok=True)
     conf = root / "nginx.conf"
-    conf.write_text(NGINX_PROXY_CONF.format(root=root, port=port, upstream=upstream))
+    conf.write_text(NGINX_PROXY_CONF.format(root=root, port=port, upstream=upstream, raw=raw))
     proc = subprocess.Popen(
         ["nginx", "-c", str(conf), "-p", str(root)],
         stdout=subprocess.DEVNULL,

@@ -491,7 +491,7 @@ def upload_world() -> Iterator[UploadWorld]:
     procs = []
     try:
         ngx = d.free_port()
-        procs.append(d.start_nginx_proxy(ngx, up.port, tmp / "nginx-proxy"))
+        procs.append(d.start_nginx_proxy(ngx, up.port, up.raw_port, tmp / "nginx-proxy"))
         port, admin = d.free_port(), d.free_port()
         config = tmp / "uploads.yaml"
         config.write_text(
@@ -503,6 +503,9 @@ limits: {{max_request_body: 16MiB, body_idle_timeout: 20s}}
 defaults:
   breaker: {{min_sequences: 1000000}}
 routes:
+  - name: raw
+    match: {{path_prefix: /raw/}}
+    upstream: "http://127.0.0.1:{up.raw_port}"
   - name: up
     upstream: "http://127.0.0.1:{up.port}"
 """
@@ -547,3 +550,31 @@ def test_http10_with_transfer_encoding_is_refused_and_the_connection_closed(
         replies = d.parse_responses(raw, ["POST", "GET"])
         assert [r.status for r in replies] == [400], (port, raw[:300])
         assert upload_world.upstream.take() == []
+
+
+RAW_TARGETS = [b"/raw/f?y=\xc3\xbc", b"/raw/caf\xc3\xa9/\xe2\x9c\x93?q=\xff&r=%C3%BC"]
+
+
+@pytest.mark.parametrize("split", UPLOAD_SPLITS)
+@pytest.mark.parametrize("target", RAW_TARGETS, ids=["utf8-query", "utf8-path-and-latin1"])
+def test_raw_non_ascii_bytes_in_the_target_are_forwarded_as_sent(
+    upload_world: UploadWorld, target: bytes, split: str
+):
+    """``curl 'http://host/f?y=ü'`` sends the ü as raw UTF-8: nginx and gunicorn accept it and
+    pass the bytes on; so does the sidecar, unchanged (never re-encoded), at any split."""
+    data = (
+        b"GET "
+        + target
+        + b" HTTP/1.1\r\nHost: up.test\r\n\r\n"
+        + NEXT.replace(b"/next", b"/raw/next")
+    )
+    results = []
+    for port in (upload_world.nginx_port, upload_world.sidecar_port):
+        pieces = _pieces(data, data.index(b"\r\n\r\n") + 4, split, random.Random(target))
+        raw = d.send_in_pieces(port, pieces)
+        statuses = [r.status for r in d.parse_responses(raw, ["GET", "GET"])]
+        seen = upload_world.upstream.take()
+        results.append((statuses, [d.received_comparable(g) for g in seen]))
+        assert [g.target.encode("latin-1") for g in seen] == [target, b"/raw/next"]
+    assert results[0][0] == [200, 200]
+    assert results[1] == results[0]

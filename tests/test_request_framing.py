@@ -9,7 +9,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from sidecar.proxy.framing import RequestFraming, blank_line_end
+from sidecar.proxy.framing import (
+    RequestFraming,
+    blank_line_end,
+    escape_request_line,
+    target_of,
+)
 
 
 def test_a_blank_line_is_found_across_reads_and_with_bare_line_feeds():
@@ -113,3 +118,38 @@ def test_a_refused_request_ends_the_parsing():
     framing.fed(b"GET / HTTP/9.9\r\n\r\n")
     framing.refused()
     assert framing.take(b"GET /") == 0
+
+
+def test_bytes_over_0x7f_of_a_request_line_are_escaped_for_the_parser_only():
+    line = b"GET /caf\xc3\xa9?y=\xff HTTP/1.1\r\n"
+    rest = b"Host: \xc3\xbc\r\n\r\n"  # header bytes stay as they are (obs-text)
+    whole, seen, done = escape_request_line(line + rest, b"")
+    assert whole == b"GET /caf%C3%A9?y=%FF HTTP/1.1\r\n" + rest and done
+    assert target_of(seen) == b"/caf\xc3\xa9?y=\xff"
+    # One byte at a time, a multi-byte character cut in two included.
+    out, seen, done = b"", b"", False
+    for i in range(len(line)):
+        assert not done
+        piece, seen, done = escape_request_line(line[i : i + 1], seen)
+        out += piece
+    assert out == b"GET /caf%C3%A9?y=%FF HTTP/1.1\r\n" and done
+    assert target_of(seen) == b"/caf\xc3\xa9?y=\xff"
+    # Empty lines before a request line are passed over (RFC 9112 section 2.2).
+    piece, seen, done = escape_request_line(b"\r\n\r\nGET /\xc3\xbc HTTP/1.1\r\n", b"")
+    assert piece == b"\r\n\r\nGET /%C3%BC HTTP/1.1\r\n" and target_of(seen) == b"/\xc3\xbc"
+    assert target_of(b"GET /a b HTTP/1.1") is None  # not a request line: the parser refuses it
+
+
+def test_the_request_line_is_known_again_after_each_request():
+    framing = RequestFraming()
+    assert framing.in_request_line
+    framing.line_done = True
+    framing.head(3, chunked=False, closes=False)
+    assert not framing.in_request_line  # in the body
+    framing.fed(b"abc")
+    assert framing.in_request_line  # the next request starts
+    framing.line_done = True
+    framing.head(0, chunked=True, closes=False)
+    assert not framing.in_request_line
+    framing.body_ended()
+    assert framing.in_request_line

@@ -17,6 +17,11 @@ the parser made of them, and what to ignore.
   takes: a read may end anywhere in it.
 - After a request that closes the connection has ended, or one the server refused (400,
   431...), nothing more is parsed.
+
+llhttp also refuses raw bytes over 0x7F in a request target (``GET /f?y=ü`` as curl sends it),
+which nginx and gunicorn accept and pass on. The bytes of a request line are therefore known
+here (``in_request_line``) and escaped for the parser only (``escape_request_line``); the
+server puts the target back as it came before the handler sees it.
 """
 
 from __future__ import annotations
@@ -45,7 +50,15 @@ class RequestFraming:
     parser next; ``fed`` reports it was fed; ``head``, ``refused`` and ``body_ended`` report
     what the parser made of it."""
 
-    __slots__ = ("_body_left", "_close_after", "_tail", "closed", "passthrough")
+    __slots__ = (
+        "_body_left",
+        "_chunked",
+        "_close_after",
+        "_tail",
+        "closed",
+        "line_done",
+        "passthrough",
+    )
 
     def __init__(self) -> None:
         self._body_left = 0  # bytes of a Content-Length body still to come
@@ -53,6 +66,15 @@ class RequestFraming:
         self._tail = b""  # the last bytes fed, to see a blank line split between two reads
         self.closed = False  # nothing more is parsed on this connection
         self.passthrough = False  # an Upgrade request: aiohttp keeps the rest itself
+        self._chunked = False  # in a chunked body
+        self.line_done = False  # the current head's request line has been fed whole
+
+    @property
+    def in_request_line(self) -> bool:
+        """The next bytes belong to a request line (or the empty lines before one)."""
+        return not (
+            self.closed or self.passthrough or self._body_left or self._chunked or self.line_done
+        )
 
     def take(self, data: bytes) -> int:
         """How many leading bytes of ``data`` go to the parser now (0: ignore all of it)."""
@@ -83,7 +105,7 @@ class RequestFraming:
         if upgrade:
             self.passthrough = True
         elif chunked:
-            pass  # it ends at a blank line: the server reports it with ``body_ended``
+            self._chunked = True  # it ends at a blank line: reported by ``body_ended``
         elif length > 0:
             self._body_left = length
         else:
@@ -92,6 +114,7 @@ class RequestFraming:
     def body_ended(self) -> None:
         """The parser ended a chunked body at the end of the bytes fed so far."""
         self._tail = b""
+        self._chunked = False
         self._ended()
 
     def refused(self) -> None:
@@ -99,5 +122,29 @@ class RequestFraming:
         self.closed = True
 
     def _ended(self) -> None:
+        self.line_done = False  # the next bytes start a request line
         if self._close_after:
             self.closed = True  # RFC 9112 section 9.6: no further request is read
+
+
+def escape_request_line(piece: bytes, line: bytes) -> tuple[bytes, bytes, bool]:
+    """``piece`` starts in a request line of which ``line`` came before: (the piece with every
+    byte over 0x7F of the line percent-encoded, the line so far as sent, whether it ended in
+    this piece). Empty lines before a request line (RFC 9112 section 2.2) are passed over."""
+    start = 0
+    if not line:
+        while start < len(piece) and piece[start] in b"\r\n":
+            start += 1
+    end = piece.find(b"\n", start)
+    stop = len(piece) if end < 0 else end
+    part = piece[start:stop]
+    if not part.isascii():
+        escaped = b"".join(b"%%%02X" % c if c > 0x7F else bytes((c,)) for c in part)
+        piece = piece[:start] + escaped + piece[stop:]
+    return piece, line + part, end >= 0
+
+
+def target_of(line: bytes) -> bytes | None:
+    """The request target of a request line as sent (``METHOD SP target SP version``)."""
+    parts = line.rstrip(b"\r").split(b" ")
+    return parts[1] if len(parts) == 3 else None

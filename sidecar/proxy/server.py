@@ -27,7 +27,7 @@ from aiohttp.http import HttpVersion10, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler, _ErrInfo
 
-from sidecar.proxy.framing import RequestFraming
+from sidecar.proxy.framing import RequestFraming, escape_request_line, target_of
 from sidecar.proxy.respond import client_error, proxy_status
 from sidecar.telemetry.logs import RateLimit
 
@@ -72,6 +72,7 @@ class GuardedRequestHandler(RequestHandler):
         self._framing = RequestFraming()
         self._held = b""  # bytes read while the parser kept some of its own (body reader full)
         self._chunked_open = False  # the last head's chunked body has not ended yet
+        self._line = b""  # the request line being received, as sent
         self._peer = ""  # the client's address, read once per connection
 
     def peer(self) -> str:
@@ -110,10 +111,24 @@ class GuardedRequestHandler(RequestHandler):
                 return  # after a request that closes the connection: ignored
             piece, data = data[:n], data[n:]
             before = len(self._messages)
-            self._feed(piece)
+            if framing.in_request_line:
+                parsed, self._line, framing.line_done = escape_request_line(piece, self._line)
+                self._feed(parsed)
+            else:
+                self._feed(piece)
             framing.fed(piece)
-            for msg, _payload in list(self._messages)[before:]:
+            for i in range(before, len(self._messages)):
+                msg = self._messages[i][0]
+                line, self._line = self._line, b""
                 if isinstance(msg, RawRequestMessage):
+                    target = None if line.isascii() else target_of(line)
+                    if target is not None:
+                        # The parser saw its bytes over 0x7F escaped: the target goes on
+                        # exactly as the client sent it (as nginx and gunicorn do).
+                        self._messages[i] = (
+                            msg._replace(path=target.decode("latin-1")),
+                            self._messages[i][1],
+                        )
                     self._chunked_open = msg.chunked
                     value = msg.headers.get("Content-Length")
                     framing.head(
