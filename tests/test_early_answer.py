@@ -19,7 +19,7 @@ from tests.rawhttp import raw_server, read_head
 from tests.test_contract import start_process
 
 BODY = b"u" * (1024 * 1024)  # far over max_body_bytes: streamed
-TRIES = 10
+TRIES = 20
 
 
 async def refuse_and_close(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -78,7 +78,7 @@ async def sidecar_port(
     procs = []
 
     async def start(upstream: int) -> int:
-        route = "    retry: {max_body_bytes: 16, attempts: 3}\n"
+        route = "    retry: {max_body_bytes: 16, attempts: 3}\n    breaker: {enabled: false}\n"
         if request.param == "uvloop-process":
             body = (
                 "limits: {max_request_body: 4MiB}\nroutes:\n  - name: main\n"
