@@ -618,7 +618,7 @@ class Received:
 
 class RecordingUpstream:
     """An aiohttp upstream in a thread of its own (the suite's clients are blocking): it
-    records every request and answers 200 with the request's size."""
+    records every request and answers 200 with the request's size (503 under /dlq/)."""
 
     def __init__(self) -> None:
         import threading
@@ -657,6 +657,8 @@ class RecordingUpstream:
             )
             with self._lock:
                 self.seen.append(got)
+            if request.raw_path.startswith("/dlq/"):
+                return web.Response(status=503, body=b"down")  # a DLQ route stores the write
             return web.Response(body=b"%d" % len(body))
 
         async def raw_heads(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:

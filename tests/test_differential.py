@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import sqlite3
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -381,7 +382,8 @@ def test_case_count_meets_the_floor():
 # -- the request side: what reaches the upstream, sidecar against nginx ------------------------
 #
 # nginx stands in the sidecar's place in front of the same recording upstream; each upload is
-# sent to both split at byte boundaries (one byte at a time, random cuts, or whole), over
+# sent to both split at byte boundaries (one byte at a time, random cuts, whole, or the head
+# with the first body bytes in one read and the rest after), over
 # HTTP/1.1 keep-alive (a second request follows on the connection), HTTP/1.1 with
 # ``Connection: close`` and HTTP/1.0 (bytes after the request follow in the same stream:
 # neither may forward them), with Content-Length or chunked bodies from 1 KiB to 10 MiB, each
@@ -391,7 +393,7 @@ def test_case_count_meets_the_floor():
 KIB = 1024
 UPLOAD_SIZES = {"1k": KIB, "64k": 64 * KIB, "64k+1": 64 * KIB + 1, "1m": KIB * KIB}
 UPLOAD_VARIANTS = ("keepalive", "close", "http10")
-UPLOAD_SPLITS = ("bytewise", "random", "whole")
+UPLOAD_SPLITS = ("bytewise", "random", "whole", "head-and-some")
 AFTER_CLOSE = b"GET /after-close HTTP/1.1\r\nHost: up.test\r\n\r\n"
 NEXT = b"GET /next HTTP/1.1\r\nHost: up.test\r\nConnection: close\r\n\r\n"
 
@@ -462,6 +464,9 @@ def _upload_bytes(case: Upload, body: bytes) -> tuple[bytes, int]:
 def _pieces(data: bytes, head_len: int, split: str, rng: random.Random) -> list[bytes]:
     if split == "whole":
         return [data]
+    if split == "head-and-some":  # the head with the first body bytes in one read, then more
+        n = head_len + 100
+        return [data[:n]] + [data[i : i + 65536] for i in range(n, len(data), 65536)]
     if split == "bytewise":  # the head and the first body bytes one at a time
         n = min(len(data), head_len + 64)
         rest = data[n:]
@@ -502,7 +507,13 @@ admin: {{listen: "127.0.0.1:{admin}"}}
 limits: {{max_request_body: 16MiB, body_idle_timeout: 20s}}
 defaults:
   breaker: {{min_sequences: 1000000}}
+dlq: {{path: "{tmp / "dlq.sqlite3"}"}}
 routes:
+  - name: dlq
+    match: {{path_prefix: /dlq/}}
+    upstream: "http://127.0.0.1:{up.port}"
+    retry: {{attempts: 1}}
+    dlq: {{enabled: true}}
   - name: raw
     match: {{path_prefix: /raw/}}
     upstream: "http://127.0.0.1:{up.raw_port}"
@@ -578,3 +589,34 @@ def test_raw_non_ascii_bytes_in_the_target_are_forwarded_as_sent(
         assert [g.target.encode("latin-1") for g in seen] == [target, b"/raw/next"]
     assert results[0][0] == [200, 200]
     assert results[1] == results[0]
+
+
+DLQ_CASES = [
+    Upload(variant, chunked, size, split)
+    for variant in UPLOAD_VARIANTS
+    for chunked in ((False,) if variant == "http10" else (False, True))
+    for size in (KIB, 64 * KIB)  # up to retry.max_body_bytes: buffered, so it can be stored
+    for split in ("bytewise", "random", "head-and-some")
+]
+
+
+@pytest.mark.parametrize("case", DLQ_CASES, ids=[c.name for c in DLQ_CASES])
+def test_a_dlq_route_stores_the_whole_body_at_any_split(upload_world: UploadWorld, case: Upload):
+    body = _body(case.size, case.size + 1)
+    data, head_len = _upload_bytes(case, body)
+    data = data.replace(b"PUT /up/", b"PUT /dlq/", 1)
+    methods = ["PUT", "GET"] if case.variant == "keepalive" else ["PUT"]
+    pieces = _pieces(data, head_len, case.split, random.Random(case.name))
+    raw = d.send_in_pieces(upload_world.sidecar_port, pieces)
+    replies = d.parse_responses(raw, methods)
+    assert [r.status for r in replies] == [503, 200][: len(methods)], raw[:300]
+    assert replies[0].header(b"x-retry-dlq") == b"stored"
+    rid = (replies[0].header(b"x-retry-dlq-id") or b"").decode()
+    conn = sqlite3.connect(upload_world.tmp / "dlq.sqlite3")
+    try:
+        row = conn.execute("SELECT target, body FROM records WHERE id = ?", (rid,)).fetchone()
+    finally:
+        conn.close()
+    assert row is not None and row[0] == f"/dlq/{case.name}?q=1"
+    assert bytes(row[1]) == body
+    upload_world.upstream.take()
