@@ -90,7 +90,7 @@ async def sidecar_port(
         sc = await sidecar_factory(
             routes_yaml(f"http://127.0.0.1:{upstream}", route, "limits: {max_request_body: 4MiB}")
         )
-        return sc.sidecar.proxy_port
+        return int(sc.sidecar.proxy_port)
 
     yield start
     for p in procs:
