@@ -20,6 +20,7 @@ Documented differences (README "Deliberate differences"), and only these, are re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import hashlib
 import http.client
@@ -599,3 +600,206 @@ def make_tmp() -> Path:
     path = Path(tempfile.mkdtemp(prefix="retry-sidecar-diff-"))
     path.chmod(0o755)  # nginx's workers run as nobody when the tests run as root
     return path
+
+
+# -- what an upstream received: the request side, sidecar against nginx -----------------------
+
+
+@dataclass(frozen=True)
+class Received:
+    """One request as the upstream got it: the body de-chunked, the framing apart."""
+
+    method: str
+    target: str
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    framing: str  # "length", "chunked" or "none"
+
+
+class RecordingUpstream:
+    """An aiohttp upstream in a thread of its own (the suite's clients are blocking): it
+    records every request and answers 200 with the request's size (503 under /dlq/)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.seen: list[Received] = []
+        self.port = 0
+        self.raw_port = 0  # bodiless requests, heads taken as bytes (targets over 0x7F)
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        self._thread.start()
+        if not self._ready.wait(20):
+            raise TimeoutError("the recording upstream did not start")
+
+    async def _run(self) -> None:
+        from aiohttp import web
+
+        async def handle(request: web.BaseRequest) -> web.StreamResponse:
+            body = await request.content.read()  # no size limit (request.read has 1 MiB)
+            te = request.headers.get("Transfer-Encoding", "")
+            framing_kind = (
+                "chunked"
+                if "chunked" in te.lower()
+                else "length"
+                if "Content-Length" in request.headers
+                else "none"
+            )
+            got = Received(
+                request.method,
+                request.raw_path,
+                tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in request.raw_headers),
+                body,
+                framing_kind,
+            )
+            with self._lock:
+                self.seen.append(got)
+            if request.raw_path.startswith("/dlq/"):
+                return web.Response(status=503, body=b"down")  # a DLQ route stores the write
+            return web.Response(body=b"%d" % len(body))
+
+        async def raw_heads(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            # Request heads taken as bytes (aiohttp's parser refuses bytes over 0x7F in a
+            # target, which nginx passes on): bodiless requests only.
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                while True:
+                    head = await r.readuntil(b"\r\n\r\n")
+                    line, *fields = head[:-4].split(b"\r\n")
+                    method, target, _ = line.split(b" ")
+                    pairs = tuple(
+                        (k.decode("latin-1"), v.strip().decode("latin-1"))
+                        for k, _, v in (f.partition(b":") for f in fields)
+                    )
+                    got = Received(method.decode(), target.decode("latin-1"), pairs, b"", "none")
+                    with self._lock:
+                        self.seen.append(got)
+                    w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    await w.drain()
+            w.close()
+
+        raw = await asyncio.start_server(raw_heads, "127.0.0.1", 0)
+        self.raw_port = raw.sockets[0].getsockname()[1]
+        server = web.Server(handle, auto_decompress=False, access_log=None)
+        runner = web.ServerRunner(server)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = int(runner.addresses[0][1])
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._ready.set()
+        await self._stop.wait()
+        raw.close()
+        await runner.cleanup()
+
+    def take(self) -> list[Received]:
+        with self._lock:
+            seen, self.seen = self.seen, []
+        return seen
+
+    def close(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+
+# Request fields that belong to one hop, or that a proxy adds by contract (README "Deliberate
+# differences"): left out when what reached the upstream is compared.
+HOP_REQUEST = {
+    "connection",
+    "keep-alive",
+    "te",
+    "transfer-encoding",
+    "content-length",
+    "expect",
+    "proxy-connection",
+    "upgrade",
+}
+
+
+def received_comparable(got: Received) -> dict[str, Any]:
+    """What must be equal whoever proxied the request (the body whole and de-chunked)."""
+    headers = [
+        (k.lower(), v)
+        for k, v in got.headers
+        if k.lower() not in HOP_REQUEST and k.lower() not in REQUEST_ADDITIONS
+    ]
+    return {
+        "method": got.method,
+        "target": got.target,
+        "headers": headers,
+        "size": len(got.body),
+        "body": hashlib.sha256(got.body).hexdigest(),
+    }
+
+
+def send_in_pieces(port: int, pieces: list[bytes], timeout: float = 30.0) -> bytes:
+    """Write ``pieces`` one by one (TCP_NODELAY, a moment apart, so that each tends to arrive
+    in a read of its own), then read until the server closes; returns what it sent."""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.settimeout(timeout)
+        for piece in pieces:
+            try:
+                s.sendall(piece)
+            except (BrokenPipeError, ConnectionResetError):
+                break  # the server answered and closed: what it sent is read below
+            time.sleep(0.001)
+        out = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except ConnectionResetError:
+                return out
+            if not chunk:
+                return out
+            out += chunk
+
+
+NGINX_PROXY_CONF = """
+worker_processes 1;
+daemon off;
+pid {root}/nginx.pid;
+error_log {root}/error.log warn;
+events {{ worker_connections 256; }}
+http {{
+  access_log off;
+  client_body_temp_path {root}/cb; proxy_temp_path {root}/pt; fastcgi_temp_path {root}/ft;
+  uwsgi_temp_path {root}/ut; scgi_temp_path {root}/st;
+  client_max_body_size 16m;
+  keepalive_timeout 30s;
+  server {{
+    listen 127.0.0.1:{port};
+    location /raw/ {{
+      proxy_pass http://127.0.0.1:{raw};
+      proxy_http_version 1.1;
+      proxy_set_header Host $http_host;
+      proxy_set_header Connection "";
+    }}
+    location / {{
+      proxy_pass http://127.0.0.1:{upstream};
+      proxy_http_version 1.1;
+      proxy_set_header Host $http_host;
+      proxy_set_header Connection "";
+    }}
+  }}
+}}
+"""
+
+
+def start_nginx_proxy(port: int, upstream: int, raw: int, root: Path) -> subprocess.Popen[bytes]:
+    """nginx as a reverse proxy in the sidecar's place, in front of ``upstream`` (``raw`` for
+    targets under /raw/)."""
+    root.mkdir(parents=True, exist_ok=True)
+    conf = root / "nginx.conf"
+    conf.write_text(NGINX_PROXY_CONF.format(root=root, port=port, upstream=upstream, raw=raw))
+    proc = subprocess.Popen(
+        ["nginx", "-c", str(conf), "-p", str(root)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    wait_port(port, proc, "nginx proxy")
+    return proc

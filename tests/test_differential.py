@@ -11,8 +11,13 @@ One gunicorn, one nginx and one sidecar process serve the whole module.
 
 from __future__ import annotations
 
+import itertools
+import random
+import sqlite3
 import urllib.parse
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -372,3 +377,246 @@ def test_the_comparison_sees_a_difference(world: d.World):
 
 def test_case_count_meets_the_floor():
     assert len(CLIENT_CASES) + len(RAW_CASES) >= 150
+
+
+# -- the request side: what reaches the upstream, sidecar against nginx ------------------------
+#
+# nginx stands in the sidecar's place in front of the same recording upstream; each upload is
+# sent to both split at byte boundaries (one byte at a time, random cuts, whole, or the head
+# with the first body bytes in one read and the rest after), over
+# HTTP/1.1 keep-alive (a second request follows on the connection), HTTP/1.1 with
+# ``Connection: close`` and HTTP/1.0 (bytes after the request follow in the same stream:
+# neither may forward them), with Content-Length or chunked bodies from 1 KiB to 10 MiB, each
+# side of retry.max_body_bytes (64 KiB: buffered up to it, streamed beyond). What the upstream
+# received (method, target, end-to-end headers, body bytes) and the statuses must be equal.
+
+KIB = 1024
+UPLOAD_SIZES = {"1k": KIB, "64k": 64 * KIB, "64k+1": 64 * KIB + 1, "1m": KIB * KIB}
+UPLOAD_VARIANTS = ("keepalive", "close", "http10")
+UPLOAD_SPLITS = ("bytewise", "random", "whole", "head-and-some")
+AFTER_CLOSE = b"GET /after-close HTTP/1.1\r\nHost: up.test\r\n\r\n"
+NEXT = b"GET /next HTTP/1.1\r\nHost: up.test\r\nConnection: close\r\n\r\n"
+
+
+@dataclass(frozen=True)
+class Upload:
+    variant: str
+    chunked: bool
+    size: int
+    split: str
+
+    @property
+    def name(self) -> str:
+        framing = "chunked" if self.chunked else "length"
+        return f"{self.variant}-{framing}-{self.size}-{self.split}"
+
+
+def _upload_cases() -> list[Upload]:
+    cases = []
+    for variant in UPLOAD_VARIANTS:
+        for chunked in (False, True):
+            if chunked and variant == "http10":
+                continue  # refused (RFC 9112 section 6.1): its own test
+            for label, size in UPLOAD_SIZES.items():
+                for split in UPLOAD_SPLITS:
+                    if label == "64k" and split != "random":
+                        continue
+                    cases.append(Upload(variant, chunked, size, split))
+            cases.append(Upload(variant, chunked, 10 * KIB * KIB, "random"))
+    return cases
+
+
+UPLOAD_CASES = _upload_cases()
+
+
+def _body(size: int, seed: int) -> bytes:
+    rng = random.Random(seed)
+    # Blank lines and chunk-like text inside the body, so no cut point is only ever a head's.
+    return (b"\r\n\r\n0\r\n\r\nPOST / HTTP/1.1\r\n" + rng.randbytes(size))[:size]
+
+
+def _upload_bytes(case: Upload, body: bytes) -> tuple[bytes, int]:
+    """The request bytes (the bytes that follow it included) and the length of its head."""
+    version = b"HTTP/1.0" if case.variant == "http10" else b"HTTP/1.1"
+    head = b"PUT /up/%s?q=1 %s\r\nHost: up.test\r\nX-Case: %s\r\n" % (
+        case.name.encode(),
+        version,
+        case.name.encode(),
+    )
+    if case.variant == "close":
+        head += b"Connection: close\r\n"
+    if case.chunked:
+        head += b"Transfer-Encoding: chunked\r\n\r\n"
+        rng = random.Random(len(body))
+        framed, i = b"", 0
+        while i < len(body):
+            n = rng.randrange(1, 200_000)
+            framed += b"%x\r\n%b\r\n" % (len(body[i : i + n]), body[i : i + n])
+            i += n
+        framed += b"0\r\n\r\n"
+    else:
+        head += b"Content-Length: %d\r\n\r\n" % len(body)
+        framed = body
+    after = NEXT if case.variant == "keepalive" else AFTER_CLOSE
+    return head + framed + after, len(head)
+
+
+def _pieces(data: bytes, head_len: int, split: str, rng: random.Random) -> list[bytes]:
+    if split == "whole":
+        return [data]
+    if split == "head-and-some":  # the head with the first body bytes in one read, then more
+        n = head_len + 100
+        return [data[:n]] + [data[i : i + 65536] for i in range(n, len(data), 65536)]
+    if split == "bytewise":  # the head and the first body bytes one at a time
+        n = min(len(data), head_len + 64)
+        rest = data[n:]
+        return [data[i : i + 1] for i in range(n)] + [
+            rest[i : i + 65536] for i in range(0, len(rest), 65536)
+        ]
+    cuts = sorted(rng.sample(range(1, len(data)), min(12, len(data) - 1)))
+    cuts += [head_len + 1, head_len - 1]  # around the end of the head too
+    edges = sorted({0, len(data), *cuts})
+    return [data[a:b] for a, b in itertools.pairwise(edges)]
+
+
+@dataclass
+class UploadWorld:
+    upstream: d.RecordingUpstream
+    nginx_port: int
+    sidecar_port: int
+    tmp: Path
+
+
+@pytest.fixture(scope="module")
+def upload_world() -> Iterator[UploadWorld]:
+    if not d.nginx_available():
+        pytest.skip("nginx is not installed: the request-side comparison needs it as reference")
+    tmp = d.make_tmp()
+    up = d.RecordingUpstream()
+    procs = []
+    try:
+        ngx = d.free_port()
+        procs.append(d.start_nginx_proxy(ngx, up.port, up.raw_port, tmp / "nginx-proxy"))
+        port, admin = d.free_port(), d.free_port()
+        config = tmp / "uploads.yaml"
+        config.write_text(
+            f"""
+version: 1
+listen: "127.0.0.1:{port}"
+admin: {{listen: "127.0.0.1:{admin}"}}
+limits: {{max_request_body: 16MiB, body_idle_timeout: 20s}}
+defaults:
+  breaker: {{min_sequences: 1000000}}
+dlq: {{path: "{tmp / "dlq.sqlite3"}"}}
+routes:
+  - name: dlq
+    match: {{path_prefix: /dlq/}}
+    upstream: "http://127.0.0.1:{up.port}"
+    retry: {{attempts: 1}}
+    dlq: {{enabled: true}}
+  - name: raw
+    match: {{path_prefix: /raw/}}
+    upstream: "http://127.0.0.1:{up.raw_port}"
+  - name: up
+    upstream: "http://127.0.0.1:{up.port}"
+"""
+        )
+        procs.append(d.start_sidecar(config, port))
+        yield UploadWorld(up, ngx, port, tmp)
+    finally:
+        for p in reversed(procs):
+            d.stop(p)
+        up.close()
+
+
+@pytest.mark.parametrize("case", UPLOAD_CASES, ids=[c.name for c in UPLOAD_CASES])
+def test_the_upstream_receives_what_nginx_would_send_it(upload_world: UploadWorld, case: Upload):
+    body = _body(case.size, case.size)
+    data, head_len = _upload_bytes(case, body)
+    methods = ["PUT", "GET"] if case.variant == "keepalive" else ["PUT"]
+    results = []
+    for port in (upload_world.nginx_port, upload_world.sidecar_port):
+        pieces = _pieces(data, head_len, case.split, random.Random(case.name))
+        raw = d.send_in_pieces(port, pieces)
+        statuses = [r.status for r in d.parse_responses(raw, methods)]
+        results.append((statuses, [d.received_comparable(g) for g in upload_world.upstream.take()]))
+    (ngx_status, ngx_seen), (sc_status, sc_seen) = results
+    assert ngx_status == [200] * len(methods), ngx_status  # the reference did what it should
+    assert ngx_seen[0]["size"] == case.size and ngx_seen[0]["method"] == "PUT"
+    assert sc_status == ngx_status
+    assert sc_seen == ngx_seen
+
+
+def test_http10_with_transfer_encoding_is_refused_and_the_connection_closed(
+    upload_world: UploadWorld,
+):
+    """RFC 9112 section 6.1: Transfer-Encoding in HTTP/1.0 is faulty framing; nginx answers
+    400 and closes. The request after it on the same connection is never processed."""
+    data = (
+        b"POST /up/te10 HTTP/1.0\r\nHost: up.test\r\nConnection: keep-alive\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n" + NEXT
+    )
+    for port in (upload_world.nginx_port, upload_world.sidecar_port):
+        raw = d.send_in_pieces(port, [data])
+        replies = d.parse_responses(raw, ["POST", "GET"])
+        assert [r.status for r in replies] == [400], (port, raw[:300])
+        assert upload_world.upstream.take() == []
+
+
+RAW_TARGETS = [b"/raw/f?y=\xc3\xbc", b"/raw/caf\xc3\xa9/\xe2\x9c\x93?q=\xff&r=%C3%BC"]
+
+
+@pytest.mark.parametrize("split", UPLOAD_SPLITS)
+@pytest.mark.parametrize("target", RAW_TARGETS, ids=["utf8-query", "utf8-path-and-latin1"])
+def test_raw_non_ascii_bytes_in_the_target_are_forwarded_as_sent(
+    upload_world: UploadWorld, target: bytes, split: str
+):
+    """``curl 'http://host/f?y=ü'`` sends the ü as raw UTF-8: nginx and gunicorn accept it and
+    pass the bytes on; so does the sidecar, unchanged (never re-encoded), at any split."""
+    data = (
+        b"GET "
+        + target
+        + b" HTTP/1.1\r\nHost: up.test\r\n\r\n"
+        + NEXT.replace(b"/next", b"/raw/next")
+    )
+    results = []
+    for port in (upload_world.nginx_port, upload_world.sidecar_port):
+        pieces = _pieces(data, data.index(b"\r\n\r\n") + 4, split, random.Random(target))
+        raw = d.send_in_pieces(port, pieces)
+        statuses = [r.status for r in d.parse_responses(raw, ["GET", "GET"])]
+        seen = upload_world.upstream.take()
+        results.append((statuses, [d.received_comparable(g) for g in seen]))
+        assert [g.target.encode("latin-1") for g in seen] == [target, b"/raw/next"]
+    assert results[0][0] == [200, 200]
+    assert results[1] == results[0]
+
+
+DLQ_CASES = [
+    Upload(variant, chunked, size, split)
+    for variant in UPLOAD_VARIANTS
+    for chunked in ((False,) if variant == "http10" else (False, True))
+    for size in (KIB, 64 * KIB)  # up to retry.max_body_bytes: buffered, so it can be stored
+    for split in ("bytewise", "random", "head-and-some")
+]
+
+
+@pytest.mark.parametrize("case", DLQ_CASES, ids=[c.name for c in DLQ_CASES])
+def test_a_dlq_route_stores_the_whole_body_at_any_split(upload_world: UploadWorld, case: Upload):
+    body = _body(case.size, case.size + 1)
+    data, head_len = _upload_bytes(case, body)
+    data = data.replace(b"PUT /up/", b"PUT /dlq/", 1)
+    methods = ["PUT", "GET"] if case.variant == "keepalive" else ["PUT"]
+    pieces = _pieces(data, head_len, case.split, random.Random(case.name))
+    raw = d.send_in_pieces(upload_world.sidecar_port, pieces)
+    replies = d.parse_responses(raw, methods)
+    assert [r.status for r in replies] == [503, 200][: len(methods)], raw[:300]
+    assert replies[0].header(b"x-retry-dlq") == b"stored"
+    rid = (replies[0].header(b"x-retry-dlq-id") or b"").decode()
+    conn = sqlite3.connect(upload_world.tmp / "dlq.sqlite3")
+    try:
+        row = conn.execute("SELECT target, body FROM records WHERE id = ?", (rid,)).fetchone()
+    finally:
+        conn.close()
+    assert row is not None and row[0] == f"/dlq/{case.name}?q=1"
+    assert bytes(row[1]) == body
+    upload_world.upstream.take()

@@ -42,8 +42,16 @@ async def shipped_defaults_sidecar(tmp_path: Path, upstream: str) -> tuple[Sidec
 def start_single_worker_app(port: int) -> subprocess.Popen[bytes]:
     """tests/realapp.py under gunicorn's defaults: one sync worker, one request at a time."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "--bind", f"127.0.0.1:{port}", "--log-level",
-         "warning", "tests.realapp:app"],
+        [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--log-level",
+            "warning",
+            "tests.realapp:app",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )

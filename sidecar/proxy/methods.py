@@ -4,15 +4,12 @@ aiohttp's C parser (llhttp) knows a fixed list of methods and answers 400 to any
 nginx and the application answer what the application makes of it (a 405, usually): RFC 9110
 section 9.1 makes a method any token, and a proxy forwards methods it does not know. Pure.
 
-At a request boundary, a read that starts with an unknown method has it replaced by a stand-in
-the parser knows (``GET``: its request framing is the same for every method but CONNECT), and
-the parsed head gets the real method back before anything reads it. Only at a boundary the
-parser is known to be at: the start of a connection, a read after one that ended exactly at
-the end of a complete request (a head without body, or a chunked body), or the next head of a
-pipelined read after a head without a body (the server feeds such heads one at a time).
-Anywhere else (an unknown method split across reads, or pipelined after a request with a
-Content-Length body in the same read) the parser's 400 stands: nothing inside a request is
-ever rewritten.
+At the start of a request line (the server knows where one starts: ``framing.RequestFraming``
+hands the parser one request at a time), a method the parser does not know is replaced by a
+stand-in it knows (``GET``: its request framing is the same for every method but CONNECT), and
+the parsed head gets the real method back before anything reads it. Nothing inside a request is
+ever rewritten. A method token split across two reads is left to the parser (400): it is only
+looked at in the read that starts the line.
 """
 
 from __future__ import annotations
@@ -55,16 +52,3 @@ def stand_in(data: bytes) -> tuple[bytes, str | None]:
     if method in PARSER_METHODS:
         return data, None
     return STAND_IN + data[sp:], method
-
-
-def starts_request_line(data: bytes) -> bool:
-    """Whether ``data`` starts like a request line (``token SP``): pipelined after a head."""
-    sp = data.find(b" ", 0, MAX_METHOD + 1)
-    return sp > 0 and TOKEN.fullmatch(data, 0, sp) is not None
-
-
-def ends_at_boundary(data: bytes, body_pending: bool) -> bool:
-    """Whether the parser is at the start of a request after it was fed ``data``, ``body_pending``
-    saying whether the last request's body is still being read. A head without a body and a
-    chunked body end in an empty line; a partial head never does (it would be complete)."""
-    return not body_pending and data.endswith(b"\r\n\r\n")

@@ -24,9 +24,10 @@ from typing import Any, Protocol
 from aiohttp import StreamReader, web
 from aiohttp.http import HttpVersion10, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
-from aiohttp.web_protocol import MAX_MSG_QUEUE_SIZE, RequestHandler, _ErrInfo
+from aiohttp.web_protocol import RequestHandler, _ErrInfo
 
-from sidecar.proxy.methods import ends_at_boundary, stand_in, starts_request_line
+from sidecar.proxy.framing import RequestFraming, escape_request_line, target_of
+from sidecar.proxy.methods import stand_in
 from sidecar.proxy.respond import client_error
 from sidecar.telemetry.logs import RateLimit
 
@@ -36,8 +37,6 @@ MAX_LINE = 8190
 MAX_FIELD = 8190
 MAX_HEADERS = 100
 _VERSIONS = (HttpVersion10, HttpVersion11)
-# Requests queued at which aiohttp's parser pauses and keeps the rest of a read back.
-_PARSER_QUEUE = MAX_MSG_QUEUE_SIZE
 
 
 def _error_bytes(answer: web.Response, reason: str) -> bytes:
@@ -64,15 +63,6 @@ def transport_peer(transport: asyncio.BaseTransport | None) -> str:
     return ""
 
 
-def _close_requested(head: bytes) -> bool:
-    """Whether a request head (lower-cased) asks for the connection to close after it: a
-    ``close`` option, or HTTP/1.0 without keep-alive. A cheap pre-check; the parser decides."""
-    first, _, _ = head.partition(b"\r\n")
-    if first.endswith(b"http/1.0"):
-        return b"keep-alive" not in head
-    return b"close" in head
-
-
 class TunnelEnd(Protocol):
     """What a tunnel (proxy/tunnel.py) hears of the client connection it took over."""
 
@@ -93,11 +83,13 @@ class GuardedRequestHandler(RequestHandler):
         self._send_timer: asyncio.TimerHandle | None = None
         self._last_payload: StreamReader | None = None  # the body of the last request head
         self.in_request = False
-        self._closing = False  # a request asked to close: later bytes are ignored
+        self._framing = RequestFraming()
+        self._held = b""  # bytes read while the parser kept some of its own (body reader full)
+        self._chunked_open = False  # the last head's chunked body has not ended yet
+        self._line = b""  # the request line being received, as sent
         self._peer = ""  # the client's address, read once per connection
         self.tunnel: TunnelEnd | None = None  # set while an upgraded connection is relayed
-        self._at_boundary = True  # the parser is at the start of a request (proxy/methods.py)
-        self._last_length_framed = False  # the last request's body has a Content-Length
+        self._method: str | None = None  # the method stood in for in the head being parsed
 
     def peer(self) -> str:
         """The client's address. Kept for the connection's life: uvloop asks the kernel
@@ -109,6 +101,9 @@ class GuardedRequestHandler(RequestHandler):
     # -- the head deadline ------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
+        """Hand the parser one request at a time (``framing.RequestFraming``): a request
+        that closes the connection is parsed with exactly its own body, however many reads
+        that body takes, and whatever follows it is ignored (RFC 9112 section 9.6)."""
         if self.tunnel is not None:
             # Straight to the tunnel, also once a drain has begun (aiohttp then drops what a
             # connection sends: its requests are over, a tunnel is not).
@@ -117,33 +112,75 @@ class GuardedRequestHandler(RequestHandler):
         if self._upgraded or self._payload_parser is not None:
             super().data_received(data)  # not HTTP any more: the tunnel's bytes
             return
-        if self._closing:
-            return  # RFC 9112 section 9.6: after a "close" request, further requests are not read
-        end = data.find(b"\r\n\r\n")
-        if 0 <= end < len(data) - 4 and _close_requested(data[:end].lower()):
-            # A request asking to close, with bytes after its head in the same read (its body,
-            # or pipelined requests): aiohttp's parser would refuse the whole read with 400.
-            # Feed the head and the body it announces, and ignore the rest.
-            before = len(self._messages)
-            self._feed(data[: end + 4])
-            msg = self._messages[-1][0] if len(self._messages) > before else None
-            if isinstance(msg, RawRequestMessage) and msg.should_close and not msg.chunked:
-                value = msg.headers.get("Content-Length")
-                length = int(value) if value is not None and value.isdigit() else 0
-                if length:
-                    self._feed(data[end + 4 : end + 4 + length])
-                self._closing = True
+        if not data:
+            # aiohttp's resume_reading: the parser goes on with bytes it kept when its body
+            # reader was full; then the bytes held here while it was full follow.
+            self._feed(b"")
+            self._check_body_end()
+            data, self._held = self._held, b""
+            if not data:
                 return
-            data = data[end + 4 :]
-        while self._at_boundary:
-            # Pipelined heads are fed one at a time while each leaves the parser at the next
-            # request's start, so that a method it does not know is seen there too.
-            end = data.find(b"\r\n\r\n")
-            if end < 0 or not starts_request_line(data[end + 4 :]):
-                break
-            self._feed(data[: end + 4])
-            data = data[end + 4 :]
-        self._feed(data)
+        elif self._held:
+            self._held += data
+            return
+        framing = self._framing
+        while data:
+            if self._reading_paused and not framing.passthrough:
+                # The parser keeps the rest of its last input until the body reader has
+                # room: what it made of it is not known yet, so nothing more is cut now.
+                self._held = data
+                return
+            n = framing.take(data)
+            if n == 0:
+                return  # after a request that closes the connection: ignored
+            piece, data = data[:n], data[n:]
+            before = len(self._messages)
+            if framing.in_request_line:
+                at_start = not self._line
+                parsed, self._line, framing.line_done = escape_request_line(piece, self._line)
+                if at_start:
+                    # A method the parser does not know, stood in for (proxy/methods.py).
+                    blank = len(parsed) - len(parsed.lstrip(b"\r\n"))
+                    line, self._method = stand_in(parsed[blank:])
+                    parsed = parsed[:blank] + line
+                self._feed(parsed)
+            else:
+                self._feed(piece)
+            framing.fed(piece)
+            for i in range(before, len(self._messages)):
+                msg = self._messages[i][0]
+                line, self._line = self._line, b""
+                method, self._method = self._method, None
+                if isinstance(msg, RawRequestMessage):
+                    if method is not None:
+                        msg = msg._replace(method=method)
+                        self._messages[i] = (msg, self._messages[i][1])
+                    target = None if line.isascii() else target_of(line)
+                    if target is not None:
+                        # The parser saw its bytes over 0x7F escaped: the target goes on
+                        # exactly as the client sent it (as nginx and gunicorn do).
+                        self._messages[i] = (
+                            msg._replace(path=target.decode("latin-1")),
+                            self._messages[i][1],
+                        )
+                    self._chunked_open = msg.chunked
+                    value = msg.headers.get("Content-Length")
+                    framing.head(
+                        int(value) if value is not None and value.isdigit() else 0,
+                        msg.chunked,
+                        msg.should_close,
+                        msg.upgrade,
+                    )
+                else:
+                    framing.refused()
+            self._check_body_end()
+
+    def _check_body_end(self) -> None:
+        """Tell the framing when the parser ended a chunked body (its reader is at EOF)."""
+        last = self._last_payload
+        if last is not None and self._chunked_open and last.is_eof():
+            self._chunked_open = False
+            self._framing.body_ended()
 
     def _feed(self, data: bytes) -> None:
         # Only bytes that start a new head arm the timer: the body of a request already
@@ -157,20 +194,10 @@ class GuardedRequestHandler(RequestHandler):
             and self._head_timer is None
             and (last is None or last.is_eof())
         )
-        was_boundary = self._at_boundary
-        body_before = last.total_bytes if last is not None and not last.is_eof() else -1
-        method: str | None = None
-        if (
-            self._at_boundary
-            and len(self._messages) < _PARSER_QUEUE - 1  # so the parser keeps no tail back
-            and self._payload_parser is None
-        ):
-            data, method = stand_in(data)  # a method the parser does not know
-        self._at_boundary = False
         before = len(self._messages)
         super().data_received(data)
         if len(self._messages) == before:
-            if starts_head and not self._closing and self.transport is not None:
+            if starts_head and not self._framing.closed and self.transport is not None:
                 # The head is not complete in this read: it has header_timeout from now. (A
                 # head that arrives whole, the common case, never costs a timer.)
                 self._head_timer = self._loop.call_later(
@@ -194,8 +221,6 @@ class GuardedRequestHandler(RequestHandler):
                 del self._messages[before]
                 last.set_exception(first.exc)
                 return
-            if method is not None and isinstance(first, RawRequestMessage):
-                self._messages[before] = (first._replace(method=method), self._messages[before][1])
             # A whole head was parsed (or rejected): the deadline is met.
             self.in_request = True
             self._cancel_head_timer()
@@ -207,31 +232,16 @@ class GuardedRequestHandler(RequestHandler):
                     # refuse it before any handler sees it, answered as HTTP/1.x.
                     err = BadHttpMessage(f"unsupported HTTP version {msg.version}")
                     self._messages[i] = (_ErrInfo(400, err, err.message), payload)
-        if data or len(self._messages) != before:  # aiohttp feeds b"" to resume parsing
-            self._at_boundary = self._ends_at_boundary(data, before, was_boundary, body_before)
-        else:
-            self._at_boundary = was_boundary
-
-    def _ends_at_boundary(
-        self, data: bytes, before: int, was_boundary: bool, body_before: int
-    ) -> bool:
-        """Whether the parser, fed ``data``, stopped exactly at the start of a request."""
-        payload = self._last_payload
-        pending = payload is not None and not payload.is_eof()
-        new = len(self._messages) - before
-        if new:
-            msg = self._messages[-1][0]
-            self._last_length_framed = (
-                isinstance(msg, RawRequestMessage) and not msg.chunked and payload is not None
-            )
-            if new == 1 and was_boundary and self._last_length_framed and not pending:
-                # One head and its whole Content-Length body: nothing may follow them.
-                assert payload is not None
-                return data.find(b"\r\n\r\n") + 4 + payload.total_bytes == len(data)
-        elif body_before >= 0 and not pending and self._last_length_framed:
-            assert payload is not None  # the rest of a Content-Length body, and nothing else?
-            return payload.total_bytes - body_before == len(data)
-        return ends_at_boundary(data, pending)
+                elif (
+                    isinstance(msg, RawRequestMessage)
+                    and msg.version == HttpVersion10
+                    and "Transfer-Encoding" in msg.headers
+                ):
+                    # RFC 9112 section 6.1: Transfer-Encoding in an HTTP/1.0 message is
+                    # faulty framing (an old intermediary may frame it by Content-Length or
+                    # by the close): refused, and the connection closed (nginx: 400).
+                    err = BadHttpMessage("Transfer-Encoding in an HTTP/1.0 request")
+                    self._messages[i] = (_ErrInfo(400, err, err.message), payload)
 
     def request_done(self) -> None:
         """Called by the proxy handler when its response is finished."""

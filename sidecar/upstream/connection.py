@@ -343,8 +343,13 @@ class Connection(asyncio.Protocol):
         self.state.begin()
 
     def write(self, data: bytes) -> None:
-        assert self.transport is not None and self.state.req is Req.SENDING
-        self.transport.write(data)
+        transport = self.transport
+        assert transport is not None and self.state.req is Req.SENDING
+        if transport.is_closing():
+            # uvloop raises RuntimeError on a write to a closed transport (asyncio drops it):
+            # the upstream's close is a reset of this exchange, never an internal fault.
+            raise self.error or UpstreamReset("upstream closed while the request was sent")
+        transport.write(data)
 
     def request_sent(self) -> None:
         self.state.request(Req.SENT)

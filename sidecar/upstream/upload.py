@@ -51,6 +51,17 @@ async def send_stream(
                 break
             if not chunk:
                 continue
+            # The upstream may have answered (or closed) while the client's bytes were read:
+            # a write to its closed transport raises under uvloop ("the handler is closed")
+            # and is dropped under asyncio. An answer is relayed; a close is a reset. One
+            # loop turn first lets an answer already in the socket be read: an upstream that
+            # answered and then closed unread sends a reset, and a write that meets it closes
+            # the transport with the answer still unread.
+            await asyncio.sleep(0)
+            if conn.has_answer():
+                return False
+            if conn.error is not None or conn.closed:
+                raise conn.error or UpstreamReset("upstream closed while the body was sent")
             if chunked:
                 conn.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
             else:
