@@ -23,6 +23,7 @@ from sidecar.config.watch import Reloader, ReloadResult
 from sidecar.core import Clock
 from sidecar.dlq.admin import dlq_routes
 from sidecar.dlq.figures import DlqFigures
+from sidecar.dlq.reopen import reopen_delay
 from sidecar.engine.resolve import Resolver
 from sidecar.engine.routestate import RouteState, RouteStates
 from sidecar.heaptrim import HeapTrimmer
@@ -204,6 +205,13 @@ class Sidecar:
             oldest = self.dlq.counts.oldest_pending
             return {(): max(0.0, self.clock.wall() - oldest) if oldest is not None else 0.0}
 
+        def dlq_available() -> dict[Labels, float]:
+            if self.dlq is not None:
+                return {(): 1.0 if self.dlq.available else 0.0}
+            if any(r.dlq.enabled for r in self.store.current.routes):
+                return {(): 0.0}  # wanted, but its file could not be opened (yet)
+            return {}
+
         def routes() -> list[tuple[str, RouteState, Route]]:
             now_routes = {r.name: r for r in self.store.current.routes}
             return [(n, st, now_routes[n]) for n, st in self.states.items() if n in now_routes]
@@ -252,6 +260,7 @@ class Sidecar:
         m.endpoints.collect = endpoints
         self.metrics.dlq_records.collect = dlq_records
         self.metrics.dlq_oldest.collect = dlq_oldest
+        self.metrics.dlq_available.collect = dlq_available
         self.metrics.breaker_state.collect = breaker_states
         self.metrics.kill_switch.collect = kill_switches
         self.metrics.reload_ok.set((), 1.0)
@@ -275,7 +284,7 @@ class Sidecar:
             and self._dlq_opening is not None
             and "dlq-open" not in self._tasks
         ):
-            self.spawn("dlq-open", self._open_dlq_now())
+            self.spawn("dlq-open", self._keep_opening())
 
     def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Start a named background task that is kept and cancelled on shutdown."""
@@ -320,13 +329,13 @@ class Sidecar:
             return None
         return store
 
-    async def _open_dlq_now(self) -> None:
+    async def _open_dlq_now(self) -> bool:
         """Open the DLQ and start its background work (at start, or on the first reload that
-        enables a DLQ route)."""
+        enables a DLQ route). False when the file could not be opened now."""
         assert self._dlq_opening is not None
         async with self._dlq_opening:
             if self.dlq is not None:
-                return
+                return True
             opening = asyncio.ensure_future(asyncio.to_thread(self._open_dlq, self.store.current))
             try:
                 store = await asyncio.shield(opening)
@@ -335,10 +344,10 @@ class Sidecar:
                 opening.add_done_callback(_close_opened)
                 raise
             if store is None:
-                return
+                return False
             if self.life.draining:
                 await asyncio.to_thread(store.close)
-                return
+                return True
             from sidecar.dlq.redrive import Redrive, prune
             from sidecar.dlq.replay import Replayer
 
@@ -349,6 +358,23 @@ class Sidecar:
             self.spawn("dlq-redrive", self.redrive.run())
             self.spawn("dlq-prune", prune(store))
             log.info("DLQ open at %s", self._dlq_path)
+            return True
+
+    async def _keep_opening(self) -> None:
+        """Open the DLQ, trying again (backing off) while it cannot be opened: a full volume
+        or an I/O error leaves the file in place, writes are refused as ``unavailable``
+        meanwhile, and the DLQ opens by itself once the disk lets it."""
+        failures = 0
+        while not self.life.draining and not await self._open_dlq_now():
+            failures += 1
+            delay = reopen_delay(failures)
+            log.warning(
+                "the DLQ at %s stays unavailable; opening it again in %.0fs (try %d)",
+                self._dlq_path,
+                delay,
+                failures,
+            )
+            await asyncio.sleep(delay)
 
     def _dlq_open(self) -> tuple[DlqStore, Replayer] | None:
         if self.dlq is None or self.replayer is None:
@@ -360,8 +386,8 @@ class Sidecar:
         token = token_from_env(config.admin)
         check_exposure(config.admin, token)
         self._dlq_opening = asyncio.Lock()
-        if self._dlq_wanted(config):
-            await self._open_dlq_now()
+        if self._dlq_wanted(config) and not await self._open_dlq_now():
+            self.spawn("dlq-open", self._keep_opening())
         # The DLQ endpoints exist even when no DLQ is open (they answer 503 then).
         self.admin_extra.extend(dlq_routes(self._dlq_open, lambda: self._dlq_path))
 

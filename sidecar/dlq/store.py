@@ -189,21 +189,26 @@ class DlqStore:
         return conn
 
     def _healthy(self) -> bool:
+        """True when the file passes ``PRAGMA quick_check``; False only when SQLite says it is
+        damaged (SQLITE_CORRUPT, SQLITE_NOTADB, or a quick_check answer other than ``ok``).
+        Any other error -- a full disk that cannot take the ``-shm``, an I/O error, a lock, a
+        permission -- says nothing about the file: it is raised, and the file stays where it
+        is (moving a healthy file aside would empty the queue)."""
         try:
             conn = sqlite3.connect(self.path)
             try:
                 row = conn.execute("PRAGMA quick_check").fetchone()
             finally:
                 conn.close()
-        except sqlite3.OperationalError as exc:
-            if _locked(exc):
-                raise  # held by another process: not a sign of damage; open() tries again
-            log.error("DLQ quick_check of %s failed: %s", self.path, exc)
-            return False
         except sqlite3.DatabaseError as exc:
+            if not damaged(exc):
+                raise
             log.error("DLQ quick_check of %s failed: %s", self.path, exc)
             return False
-        return row is not None and row[0] == "ok"
+        if row is not None and row[0] == "ok":
+            return True
+        log.error("DLQ quick_check of %s found damage: %s", self.path, row)
+        return False
 
     def close(self) -> None:
         if self._writer is not None:
@@ -544,6 +549,16 @@ def _log_release(fut: asyncio.Future[Any]) -> None:
     exc = fut.exception()
     if exc is not None:
         log.warning("giving back a DLQ replay claim failed (it will expire): %s", exc)
+
+
+CORRUPT_CODES = (11, 26)  # SQLITE_CORRUPT, SQLITE_NOTADB: the file itself is damaged
+
+
+def damaged(exc: sqlite3.Error) -> bool:
+    """The error says the file is not a sound database (extended codes keep the primary code
+    in their low byte); anything else is about the disk, a lock or the process."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in CORRUPT_CODES
 
 
 def _locked(exc: sqlite3.OperationalError) -> bool:

@@ -1,0 +1,106 @@
+"""The DLQ's disk going wrong under the real process: a full volume at a restart, the file
+deleted while the sidecar runs. An acknowledged record is never lost."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import aiohttp
+
+from tests.conftest import reply
+from tests.proc import SidecarProcess, free_port
+from tests.volume import fill, small_volume
+from tests.wait import until_async
+
+
+def process_yaml(up_url: str, db: Path, port: int, admin_port: int) -> str:
+    return f"""
+version: 1
+name: disk
+listen: "127.0.0.1:{port}"
+admin: {{listen: "127.0.0.1:{admin_port}"}}
+dlq: {{path: "{db}"}}
+defaults:
+  retry: {{attempts: 1}}
+  breaker: {{min_sequences: 100000}}
+  dlq: {{enabled: true}}
+routes:
+  - name: main
+    upstream: "{up_url}"
+"""
+
+
+async def metric(s: aiohttp.ClientSession, admin_port: int, name: str) -> str | None:
+    """The value of one unlabelled series, None when it is absent."""
+    async with s.get(f"http://127.0.0.1:{admin_port}/metrics") as resp:
+        for line in (await resp.text()).splitlines():
+            if line.startswith(name + " "):
+                return line.split()[1]
+    return None
+
+
+async def store_writes(s: aiohttp.ClientSession, port: int, n: int) -> list[str]:
+    ids = []
+    for i in range(n):
+        async with s.post(f"http://127.0.0.1:{port}/o/{i}", data=b"%d" % i) as r:
+            assert r.headers["x-retry-dlq"] == "stored"
+            ids.append(r.headers["x-retry-dlq-id"])
+    return ids
+
+
+def held(db: Path) -> list[str]:
+    conn = sqlite3.connect(db)
+    try:
+        return [r[0] for r in conn.execute("SELECT id FROM records ORDER BY seq")]
+    finally:
+        conn.close()
+
+
+async def test_a_restart_on_a_full_volume_keeps_the_queue_and_opens_it_once_it_can(
+    upstream_factory, tmp_path
+):
+    """SQLite cannot create the ``-shm`` on a full volume, so the integrity check fails with
+    an I/O error: that is no damage. The file stays where it is, writes are refused as
+    ``unavailable`` (the proxy keeps serving, the gauge says the DLQ is unavailable), and the
+    DLQ opens by itself, every acknowledged record in it, once space is freed."""
+    up = await upstream_factory(reply(503))
+    with small_volume(tmp_path / "vol", "2m") as vol:
+        db = vol / "dlq.sqlite3"
+        port, admin_port = free_port(), free_port()
+        cfg = tmp_path / "sidecar.yaml"
+        cfg.write_text(process_yaml(up.url, db, port, admin_port))
+        first = SidecarProcess(cfg)
+        first.start()
+        try:
+            await first.wait_port(port, admin_port)
+            async with aiohttp.ClientSession() as s:
+                ids = await store_writes(s, port, 8)
+        finally:
+            assert first.terminate() == 0
+        filler = fill(vol)
+        second = SidecarProcess(cfg)
+        second.start()
+        try:
+            await second.wait_port(port, admin_port)
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"http://127.0.0.1:{port}/o/late", data=b"late") as r:
+                    assert r.status == 503 and r.headers["x-retry-dlq"] == "unavailable"
+                assert await metric(s, admin_port, "retry_sidecar_dlq_available") == "0"
+                assert [p.name for p in vol.iterdir() if "corrupt" in p.name] == []
+                filler.unlink()
+
+                async def opened() -> bool:
+                    return await metric(s, admin_port, "retry_sidecar_dlq_available") == "1"
+
+                # Opening is tried again, backing off up to 30 s between tries.
+                await until_async(opened, "the DLQ to open once space is freed", 60.0)
+                async with s.get(f"http://127.0.0.1:{admin_port}/dlq?limit=100") as r:
+                    listed = [rec["id"] for rec in (await r.json())["records"]]
+                assert sorted(listed) == sorted(ids)
+                assert [p.name for p in vol.iterdir() if "corrupt" in p.name] == []
+        finally:
+            assert second.terminate() == 0
+            log = second.stderr()
+        assert "moved aside" not in log
+        assert held(db) == ids
