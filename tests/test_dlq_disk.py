@@ -3,6 +3,7 @@ deleted while the sidecar runs. An acknowledged record is never lost."""
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from pathlib import Path
 
@@ -104,3 +105,32 @@ async def test_a_restart_on_a_full_volume_keeps_the_queue_and_opens_it_once_it_c
             log = second.stderr()
         assert "moved aside" not in log
         assert held(db) == ids
+
+
+async def test_a_failing_dlq_write_does_not_log_a_line_per_request(
+    upstream_factory, client, tmp_path, caplog
+):
+    """An outage of the DLQ's disk fails every write; each one used to log its own error line
+    (a thousand lines a second under load). They are rate limited as the proxy's own error
+    lines are: at most 10 a minute, the next one saying how many were suppressed."""
+    from sidecar.app import Sidecar
+    from sidecar.config.parse import parse_text
+    from tests.test_dlq import dlq_yaml
+
+    up = await upstream_factory(reply(503))
+    db = tmp_path / "dlq.sqlite3"
+    sc = Sidecar(parse_text(dlq_yaml(up.url, db, retry="{attempts: 1}")))
+    sc.dlq_max_page_count = 8  # SQLITE_FULL, as a full disk gives
+    await sc.start()
+    try:
+        caplog.set_level(logging.ERROR, logger="sidecar.dlq")
+        seen = []
+        for _ in range(40):
+            async with client.post(f"http://127.0.0.1:{sc.proxy_port}/o", data=b"z" * 3000) as r:
+                seen.append(r.headers["x-retry-dlq"])
+        failed = seen.count("unavailable")
+        assert failed >= 30
+        lines = [r for r in caplog.records if "DLQ write failed" in r.getMessage()]
+        assert 1 <= len(lines) <= 10
+    finally:
+        await sc.stop()

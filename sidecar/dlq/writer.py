@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sidecar.dlq.errors import REFUSALS, DlqUnavailable
+from sidecar.telemetry.logs import RateLimit
 
 log = logging.getLogger("sidecar.dlq")
 
@@ -53,6 +54,9 @@ class GroupWriter:
         self._refresh_every = refresh_every
         self._queue: queue.Queue[_Op | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        # A storage outage fails every group: one line per group would be one per failed
+        # request. Limited as the proxy's own error lines are (used by this thread only).
+        self._failures = RateLimit(per_interval=10, interval=60.0)
 
     @property
     def running(self) -> bool:
@@ -148,7 +152,10 @@ class GroupWriter:
         except (sqlite3.Error, OSError) as exc:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
-            log.error("DLQ write failed (%d operations refused): %s", len(batch), exc)
+            if self._failures.allow():
+                suppressed = self._failures.suppressed
+                more = f" ({suppressed} similar suppressed)" if suppressed else ""
+                log.error("DLQ write failed (%d operations refused): %s%s", len(batch), exc, more)
             err = DlqUnavailable(f"DLQ storage failed: {exc}")
             outcomes = [(False, err)] * len(batch)
             delta = {}
