@@ -196,6 +196,12 @@ class Replayer:
         if body or method in ("POST", "PUT", "PATCH"):
             headers.append((b"Content-Length", str(len(body)).encode()))
         clock = self.deps.clock
+        if self.deps.kill.covers(route.name, clock.monotonic()):
+            # A kill switch stops retries, and a replay is one: it must never be what gets
+            # past an open breaker (a killed sequence skips the breaker). Nothing is sent, the
+            # record stays as it was and no replay is counted. No await from here to the
+            # Sequence below, which reads the switch again as it starts.
+            return self._untouched(rec, Fate.KILL_SWITCH, 0)
         ex = Exchange(
             route=route,
             method=method,
@@ -228,17 +234,23 @@ class Replayer:
         if result is None or result.attempts == 0 or isinstance(result.error, LocalOverload):
             # Nothing was tried (breaker refused, no room, no time left): the record stays as
             # it was, and no replay is counted.
-            fate = Fate.BREAKER_OPEN if result is None else result.fate
-            fin = Finish(
-                rec["status"], False, rec["last_status"], rec["last_error"], False,
-                rec["parked_reason"],
-            )  # fmt: skip
-            attempts = 0 if result is None else result.attempts
-            return ReplayOutcome(rid, rec["status"], None, fate.value, attempts), fin
+            if result is None:
+                return self._untouched(rec, Fate.BREAKER_OPEN, 0)
+            return self._untouched(rec, result.fate, result.attempts)
         reached = reached_upstream(result, route, method, has_key)
         error = str(result.error) if result.error is not None else None
         fin = self._after_send(rec, route, http_status, error, reached)
         return ReplayOutcome(rid, fin.status, http_status, result.fate.value, result.attempts), fin
+
+    def _untouched(
+        self, rec: dict[str, Any], fate: Fate, attempts: int
+    ) -> tuple[ReplayOutcome, Finish]:
+        """A replay that sent nothing: the record keeps its status, no replay is counted."""
+        fin = Finish(
+            rec["status"], False, rec["last_status"], rec["last_error"], False,
+            rec["parked_reason"],
+        )  # fmt: skip
+        return ReplayOutcome(rec["id"], rec["status"], None, fate.value, attempts), fin
 
     def _after_send(
         self,
