@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -69,6 +70,16 @@ def _close_opened(fut: asyncio.Future[DlqStore | None]) -> None:
         store = fut.result()
         if store is not None:
             store.close()
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` run on ``loop``, for a call made from another thread (the DLQ's writer)."""
+
+    def call() -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to count on
+            loop.call_soon_threadsafe(fn)
+
+    return call
 
 
 def c_parser_in_use() -> bool:
@@ -351,6 +362,9 @@ class Sidecar:
             from sidecar.dlq.redrive import Redrive, prune
             from sidecar.dlq.replay import Replayer
 
+            recreated = self.metrics.dlq_file_recreated
+            recreated.values.setdefault((), 0.0)  # a first deletion shows in increase()
+            store.on_recreated = _on_loop(asyncio.get_running_loop(), lambda: recreated.inc(()))
             self.dlq = store
             self.deps.dlq = store
             self.replayer = Replayer(store, self.deps, lambda: self.store.current)

@@ -134,3 +134,97 @@ async def test_a_failing_dlq_write_does_not_log_a_line_per_request(
         assert 1 <= len(lines) <= 10
     finally:
         await sc.stop()
+
+
+async def test_a_dlq_file_deleted_while_running_is_written_again_before_anything_is_acked(
+    upstream_factory, tmp_path
+):
+    """``rm dlq.sqlite3*`` under a running sidecar: later writes used to be acknowledged into
+    the unlinked file and were gone at the next start, without a word. Now the writer notices
+    (the path no longer names the file it has open) before it acknowledges, writes everything
+    the open file holds to a new file at the path, says so in the log and a counter, and goes
+    on: after a restart every acknowledged record is there."""
+    up = await upstream_factory(reply(503))
+    db = tmp_path / "data" / "dlq.sqlite3"
+    port, admin_port = free_port(), free_port()
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(process_yaml(up.url, db, port, admin_port))
+    proc = SidecarProcess(cfg)
+    proc.start()
+    try:
+        await proc.wait_port(port, admin_port)
+        async with aiohttp.ClientSession() as s:
+            before = await store_writes(s, port, 3)
+            for p in db.parent.iterdir():
+                p.unlink()  # the careless operator
+            after = await store_writes(s, port, 2)
+            assert await metric(s, admin_port, "retry_sidecar_dlq_file_recreated_total") == "1"
+            async with s.get(f"http://127.0.0.1:{admin_port}/dlq?limit=100") as r:
+                listed = [rec["id"] for rec in (await r.json())["records"]]
+            assert sorted(listed) == sorted(before + after)
+    finally:
+        assert proc.terminate() == 0
+    assert "was deleted while in use" in proc.stderr()
+    assert held(db) == before + after
+    assert (db.stat().st_mode & 0o777) == 0o600
+    again = SidecarProcess(cfg)
+    again.start()
+    try:
+        await again.wait_port(port, admin_port)
+        async with (
+            aiohttp.ClientSession() as s,
+            s.get(f"http://127.0.0.1:{admin_port}/dlq?limit=100") as r,
+        ):
+            listed = [rec["id"] for rec in (await r.json())["records"]]
+        assert sorted(listed) == sorted(before + after)
+    finally:
+        assert again.terminate() == 0
+
+
+async def test_a_dlq_file_replaced_while_running_is_not_overwritten_and_acks_stop(tmp_path):
+    """Another file put at the path (a restored backup, say) is not ours to overwrite or
+    merge into: the DLQ stops acknowledging (unavailable) and leaves both files as they are."""
+    import os
+    import time
+
+    import pytest
+
+    from sidecar.dlq.errors import DlqUnavailable
+    from sidecar.dlq.record import NewRecord
+    from sidecar.dlq.store import DlqStore
+
+    def rec() -> NewRecord:
+        return NewRecord(
+            route="main", method="PUT", target="/o", headers=[], body=b"v", fate="exhausted",
+            attempts=1, last_status=503, last_error=None, idempotency_key="k",
+            created_at=time.time(), reached_upstream=True,
+        )  # fmt: skip
+
+    db = tmp_path / "dlq.sqlite3"
+    other = tmp_path / "backup.sqlite3"
+    store = DlqStore(str(db), 100, 10**6)
+    store.open()
+    try:
+        kept = await store.add(rec())
+        sqlite3.connect(other).close()
+        os.replace(other, db)
+        with pytest.raises(DlqUnavailable):
+            await store.add(rec())
+        assert not store.available
+        with pytest.raises(DlqUnavailable):
+            await store.add(rec())
+        assert not _has_table(db)  # the file put there is left as it was
+    finally:
+        store.close()
+    assert kept
+
+
+def _has_table(db: Path) -> bool:
+    conn = sqlite3.connect(db)
+    try:
+        return (
+            conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'records'").fetchone()
+            is not None
+        )
+    finally:
+        conn.close()

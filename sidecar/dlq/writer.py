@@ -47,8 +47,13 @@ class GroupWriter:
         committed: Callable[[sqlite3.Connection, Delta], None],
         refresh: Callable[[sqlite3.Connection], None],
         refresh_every: Callable[[], float],
+        verify: Callable[[sqlite3.Connection], sqlite3.Connection] = lambda conn: conn,
     ) -> None:
         self._conn = conn
+        # After each commit and before each refresh: is the connection's file still the one
+        # at the path? Gives the connection to go on with (a new one when the file was
+        # recreated), or raises when nothing can be acknowledged.
+        self._verify = verify
         self._committed = committed  # after a group committed a non-empty delta
         self._refresh = refresh
         self._refresh_every = refresh_every
@@ -87,7 +92,6 @@ class GroupWriter:
         return fut
 
     def _run(self) -> None:
-        conn = self._conn
         next_refresh = time.monotonic() + self._refresh_every()
         try:
             while True:
@@ -117,11 +121,14 @@ class GroupWriter:
                 if stop:
                     return
         finally:
-            conn.close()
+            self._conn.close()
 
     def _safe_refresh(self) -> None:
         try:
+            self._conn = self._verify(self._conn)
             self._refresh(self._conn)
+        except DlqUnavailable as exc:
+            log.error("%s", exc)
         except sqlite3.Error as exc:
             log.warning("DLQ refresh failed (the gauges keep their last value): %s", exc)
 
@@ -149,6 +156,12 @@ class GroupWriter:
                     delta.update(before)
                     outcomes.append((False, exc))
             conn.execute("COMMIT")
+            # Before anyone is told "stored": the file committed to must still be the one
+            # at the path (an unlinked file is lost at the next start).
+            conn = self._conn = self._verify(conn)
+        except DlqUnavailable as exc:
+            outcomes = [(False, exc)] * len(batch)
+            delta = {}
         except (sqlite3.Error, OSError) as exc:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
