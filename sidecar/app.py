@@ -484,10 +484,20 @@ class Sidecar:
         """Drain: not ready at once, no new connections, in-flight requests (backoff sleeps
         cut short to one final attempt) get up to drain_timeout, then everything closes."""
         self.life.start_drain()
-        log.info("draining (up to %.1fs)", self.store.current.drain_timeout)
+        drain = self.store.current.drain_timeout
+        log.info("draining (up to %.1fs)", drain)
+        loop = asyncio.get_running_loop()
+        drain_ends = loop.time() + drain
         if self._proxy_runner is not None:
             await self._proxy_runner.cleanup()
             self._proxy_runner = None
+        redrive = self._tasks.get("dlq-redrive")
+        if redrive is not None:
+            # The redrive starts no replay once draining and ends by itself; the replay in
+            # flight finishes like an in-flight request (within the same drain time) and its
+            # outcome is recorded. Cancelled half-way, a replay whose answer came but was not
+            # recorded would be sent again after the restart.
+            await asyncio.wait({redrive}, timeout=max(0.0, drain_ends - loop.time()))
         for task in list(self._tasks.values()):
             task.cancel()
         if self._tasks:

@@ -60,9 +60,9 @@ class Redrive:
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(TICK)
+            await self._life.sleep(TICK)  # a drain ends it at once
             if self._life.draining:
-                continue
+                return  # no replay starts once the sidecar drains (a round stops likewise)
             for route in self._config().routes:
                 rd = route.dlq.redrive
                 if not (route.dlq.enabled and rd.enabled):

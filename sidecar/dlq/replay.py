@@ -202,6 +202,8 @@ class Replayer:
             # record stays as it was and no replay is counted. No await from here to the
             # Sequence below, which reads the switch again as it starts.
             return self._untouched(rec, Fate.KILL_SWITCH, 0)
+        if self.deps.life.draining:
+            return self._untouched(rec, Fate.DRAINING, 0)  # no replay starts in a drain
         ex = Exchange(
             route=route,
             method=method,
