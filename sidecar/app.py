@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -24,6 +25,7 @@ from sidecar.config.watch import Reloader, ReloadResult
 from sidecar.core import Clock
 from sidecar.dlq.admin import dlq_routes
 from sidecar.dlq.figures import DlqFigures
+from sidecar.dlq.reopen import reopen_delay
 from sidecar.engine.resolve import Resolver
 from sidecar.engine.routestate import RouteState, RouteStates
 from sidecar.heaptrim import HeapTrimmer
@@ -70,6 +72,16 @@ def _close_opened(fut: asyncio.Future[DlqStore | None]) -> None:
         store = fut.result()
         if store is not None:
             store.close()
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` run on ``loop``, for a call made from another thread (the DLQ's writer)."""
+
+    def call() -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to count on
+            loop.call_soon_threadsafe(fn)
+
+    return call
 
 
 def c_parser_in_use() -> bool:
@@ -211,6 +223,13 @@ class Sidecar:
             oldest = self.dlq.counts.oldest_pending
             return {(): max(0.0, self.clock.wall() - oldest) if oldest is not None else 0.0}
 
+        def dlq_available() -> dict[Labels, float]:
+            if self.dlq is not None:
+                return {(): 1.0 if self.dlq.available else 0.0}
+            if any(r.dlq.enabled for r in self.store.current.routes):
+                return {(): 0.0}  # wanted, but its file could not be opened (yet)
+            return {}
+
         def routes() -> list[tuple[str, RouteState, Route]]:
             now_routes = {r.name: r for r in self.store.current.routes}
             return [(n, st, now_routes[n]) for n, st in self.states.items() if n in now_routes]
@@ -262,6 +281,7 @@ class Sidecar:
         )
         self.metrics.dlq_records.collect = dlq_records
         self.metrics.dlq_oldest.collect = dlq_oldest
+        self.metrics.dlq_available.collect = dlq_available
         self.metrics.breaker_state.collect = breaker_states
         self.metrics.kill_switch.collect = kill_switches
         self.metrics.reload_ok.set((), 1.0)
@@ -302,7 +322,7 @@ class Sidecar:
             and self._dlq_opening is not None
             and "dlq-open" not in self._tasks
         ):
-            self.spawn("dlq-open", self._open_dlq_now())
+            self.spawn("dlq-open", self._keep_opening())
 
     def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Start a named background task that is kept and cancelled on shutdown."""
@@ -347,13 +367,13 @@ class Sidecar:
             return None
         return store
 
-    async def _open_dlq_now(self) -> None:
+    async def _open_dlq_now(self) -> bool:
         """Open the DLQ and start its background work (at start, or on the first reload that
-        enables a DLQ route)."""
+        enables a DLQ route). False when the file could not be opened now."""
         assert self._dlq_opening is not None
         async with self._dlq_opening:
             if self.dlq is not None:
-                return
+                return True
             opening = asyncio.ensure_future(asyncio.to_thread(self._open_dlq, self.store.current))
             try:
                 store = await asyncio.shield(opening)
@@ -362,13 +382,16 @@ class Sidecar:
                 opening.add_done_callback(_close_opened)
                 raise
             if store is None:
-                return
+                return False
             if self.life.draining:
                 await asyncio.to_thread(store.close)
-                return
+                return True
             from sidecar.dlq.redrive import Redrive, prune
             from sidecar.dlq.replay import Replayer
 
+            recreated = self.metrics.dlq_file_recreated
+            recreated.values.setdefault((), 0.0)  # a first deletion shows in increase()
+            store.on_recreated = _on_loop(asyncio.get_running_loop(), lambda: recreated.inc(()))
             self.dlq = store
             self.deps.dlq = store
             self.replayer = Replayer(store, self.deps, lambda: self.store.current)
@@ -376,6 +399,23 @@ class Sidecar:
             self.spawn("dlq-redrive", self.redrive.run())
             self.spawn("dlq-prune", prune(store))
             log.info("DLQ open at %s", self._dlq_path)
+            return True
+
+    async def _keep_opening(self) -> None:
+        """Open the DLQ, trying again (backing off) while it cannot be opened: a full volume
+        or an I/O error leaves the file in place, writes are refused as ``unavailable``
+        meanwhile, and the DLQ opens by itself once the disk lets it."""
+        failures = 0
+        while not self.life.draining and not await self._open_dlq_now():
+            failures += 1
+            delay = reopen_delay(failures)
+            log.warning(
+                "the DLQ at %s stays unavailable; opening it again in %.0fs (try %d)",
+                self._dlq_path,
+                delay,
+                failures,
+            )
+            await asyncio.sleep(delay)
 
     def _dlq_open(self) -> tuple[DlqStore, Replayer] | None:
         if self.dlq is None or self.replayer is None:
@@ -387,8 +427,8 @@ class Sidecar:
         token = token_from_env(config.admin)
         check_exposure(config.admin, token)
         self._dlq_opening = asyncio.Lock()
-        if self._dlq_wanted(config):
-            await self._open_dlq_now()
+        if self._dlq_wanted(config) and not await self._open_dlq_now():
+            self.spawn("dlq-open", self._keep_opening())
         # The DLQ endpoints exist even when no DLQ is open (they answer 503 then).
         self.admin_extra.extend(dlq_routes(self._dlq_open, lambda: self._dlq_path))
 
@@ -483,10 +523,20 @@ class Sidecar:
         """Drain: not ready at once, no new connections, in-flight requests (backoff sleeps
         cut short to one final attempt) get up to drain_timeout, then everything closes."""
         self.life.start_drain()
-        log.info("draining (up to %.1fs)", self.store.current.drain_timeout)
+        drain = self.store.current.drain_timeout
+        log.info("draining (up to %.1fs)", drain)
+        loop = asyncio.get_running_loop()
+        drain_ends = loop.time() + drain
         if self._proxy_runner is not None:
             await self._proxy_runner.cleanup()
             self._proxy_runner = None
+        redrive = self._tasks.get("dlq-redrive")
+        if redrive is not None:
+            # The redrive starts no replay once draining and ends by itself; the replay in
+            # flight finishes like an in-flight request (within the same drain time) and its
+            # outcome is recorded. Cancelled half-way, a replay whose answer came but was not
+            # recorded would be sent again after the restart.
+            await asyncio.wait({redrive}, timeout=max(0.0, drain_ends - loop.time()))
         for task in list(self._tasks.values()):
             task.cancel()
         if self._tasks:

@@ -294,3 +294,29 @@ def test_readme_has_the_deploy_section():
     text = (ROOT / "README.md").read_text()
     assert "## Deploy next to your app" in text
     assert re.search(r"helm (upgrade --install|install) ", text)
+
+
+def policy_dlq(values: dict[str, Any]) -> dict[str, Any]:
+    cm = next(
+        d
+        for d in render(values)
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-policy")
+    )
+    dlq: dict[str, Any] = yaml.safe_load(cm["data"]["sidecar.yaml"])["dlq"]
+    return dlq
+
+
+def test_dlq_max_bytes_leaves_half_the_volume_for_sqlite():
+    """With max_bytes equal to the volume, a long outage filled the disk before ``full``
+    applied; the chart bounds it by half of the PVC, the rest being room for the WAL."""
+    assert policy_dlq({})["max_bytes"] == 2**30 // 2
+    assert policy_dlq({"dlq": {"persistence": {"size": "10Gi"}}})["max_bytes"] == 5 * 2**30
+    app = [{"name": "app", "upstream": "{{APP}}"}]
+    smaller = {"sidecar": {"policy": {"dlq": {"max_bytes": 1000}, "routes": app}}}
+    assert policy_dlq(smaller)["max_bytes"] == 1000
+    for too_big in (2**30, "1GiB"):
+        values = {"sidecar": {"policy": {"dlq": {"max_bytes": too_big}, "routes": app}}}
+        with pytest.raises(helm.HelmError, match=r"at most half of dlq\.persistence\.size"):
+            render(values)
+    # An emptyDir has no size to derive from: the policy's (or the sidecar's default) stands.
+    assert "max_bytes" not in policy_dlq({"dlq": {"persistence": {"enabled": False}}})

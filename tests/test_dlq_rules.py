@@ -72,3 +72,28 @@ def test_next_run_backs_off_after_failures():
     assert next_run(100.0, 1.0, 3) == 108.0
     assert next_run(100.0, 30.0, 20) == 100.0 + MAX_BACKOFF
     assert next_run(100.0, 600.0, 5) == 700.0  # never sooner than the interval
+
+
+def test_reopen_delay_backs_off_to_its_bound():
+    from sidecar.dlq.reopen import FIRST, MAX, reopen_delay
+
+    delays = [reopen_delay(n) for n in range(1, 12)]
+    assert delays[0] == FIRST and delays[1] == 2 * FIRST
+    assert delays == sorted(delays) and delays[-1] == MAX
+    assert reopen_delay(10**6) == MAX  # no overflow after a long outage
+
+
+def test_only_damage_moves_a_file_aside():
+    import sqlite3
+
+    from sidecar.dlq.store import damaged
+
+    def err(code: int) -> sqlite3.DatabaseError:
+        exc = sqlite3.DatabaseError("x")
+        exc.sqlite_errorcode = code  # type: ignore[attr-defined]
+        return exc
+
+    assert damaged(err(11)) and damaged(err(26)) and damaged(err(11 | (1 << 8)))
+    # SQLITE_IOERR (and its extended codes), SQLITE_FULL, SQLITE_CANTOPEN, SQLITE_BUSY: no.
+    assert not any(damaged(err(c)) for c in (10, 10 | (18 << 8), 13, 14, 5, 6))
+    assert not damaged(sqlite3.DatabaseError("no code"))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 BOUND = 15.0
 
@@ -19,3 +19,14 @@ async def until(condition: Callable[[], object], what: str, timeout: float = BOU
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+async def until_async(
+    condition: Callable[[], Awaitable[object]], what: str, timeout: float = BOUND
+) -> None:
+    """``until`` for a condition that must be awaited (an HTTP call, say), asked every 0.1 s."""
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.1)

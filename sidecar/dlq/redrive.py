@@ -31,6 +31,7 @@ TICK = 1.0  # how often the loop looks for a route that is due
 BATCH = 100  # records looked at per route and round
 MAX_BACKOFF = 300.0
 PRUNE_EVERY = 60.0
+STOPS_A_ROUND = (Fate.BREAKER_OPEN.value, Fate.KILL_SWITCH.value)
 
 
 def next_run(now: float, interval: float, failures: int) -> float:
@@ -55,18 +56,19 @@ class Redrive:
         self._monotonic = monotonic
         self._due: dict[str, float] = {}
         self.failures: dict[str, int] = {}  # consecutive failed rounds, per route
+        self.paused: set[str] = set()  # routes a kill switch covers (logged once)
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(TICK)
+            await self._life.sleep(TICK)  # a drain ends it at once
             if self._life.draining:
-                continue
+                return  # no replay starts once the sidecar drains (a round stops likewise)
             for route in self._config().routes:
                 rd = route.dlq.redrive
                 if not (route.dlq.enabled and rd.enabled):
                     continue
                 now = self._monotonic()
-                if now < self._due.get(route.name, 0.0):
+                if now < self._due.get(route.name, 0.0) or not self._may_send(route.name):
                     continue
                 try:
                     await self.round(route.name)
@@ -93,16 +95,33 @@ class Redrive:
             route=route, status="pending", limit=BATCH, newest_first=False
         )
         for r in rows:
-            if self._life.draining:
-                return
+            if self._life.draining or not self._may_send(route):
+                return  # asked before every record: a switch, a drain or a reload stops it
             try:
                 outcome = await self.replayer.replay_one(
                     r["id"], statuses=("pending",), automatic=True
                 )
             except ClaimRefused:
                 continue  # delivered, claimed or purged meanwhile: someone else has it
-            if outcome.fate == Fate.BREAKER_OPEN.value:
-                return  # the breaker is not letting anything through yet
+            if outcome.fate in STOPS_A_ROUND:
+                return  # the breaker is not letting anything through yet, or a switch is set
+
+    def _may_send(self, route: str) -> bool:
+        """Whether the redrive may send the route's records now: the current config still
+        has its redrive on, and no kill switch covers it (a kill switch stops retries, and a
+        redrive is retries; it never sends more). A pause is logged when it starts and ends."""
+        conf = self._config().route(route)
+        if conf is None or not (conf.dlq.enabled and conf.dlq.redrive.enabled):
+            return False
+        deps = self.replayer.deps
+        killed = deps.kill.covers(route, deps.clock.monotonic())
+        if killed and route not in self.paused:
+            self.paused.add(route)
+            log.warning("DLQ redrive of route %s paused: a kill switch covers it", route)
+        elif not killed and route in self.paused:
+            self.paused.discard(route)
+            log.info("DLQ redrive of route %s resumed: no kill switch covers it", route)
+        return not killed
 
 
 async def prune(store: DlqStore) -> None:

@@ -37,6 +37,7 @@ from sidecar.dlq.store import DlqStore, Finish
 from sidecar.engine.deps import EngineDeps
 from sidecar.engine.loop import SequenceResult
 from sidecar.engine.sequence import Exchange, Sequence
+from sidecar.retry.breaker import State
 from sidecar.retry.deadline import Deadline
 from sidecar.upstream.client import UpstreamResponse
 
@@ -153,7 +154,7 @@ class Replayer:
                 )
             else:
                 sent = True  # a cancellation from here on may leave bytes at the upstream
-                outcome, fin = await self._send(route, claimed)
+                outcome, fin = await self._send(route, claimed, automatic)
             # The finish is queued even if this task is cancelled while awaiting it; if the
             # disk refuses it for good, the claim is left to expire rather than released
             # without its outcome (a delivery that was not recorded must not be resent early).
@@ -186,7 +187,9 @@ class Replayer:
         if not fut.cancelled() and fut.exception() is None:
             self.store.release_soon(rid, self.owner, False)
 
-    async def _send(self, route: Route, rec: dict[str, Any]) -> tuple[ReplayOutcome, Finish]:
+    async def _send(
+        self, route: Route, rec: dict[str, Any], automatic: bool
+    ) -> tuple[ReplayOutcome, Finish]:
         rid: str = rec["id"]
         body: bytes = rec["body_bytes"]
         method: str = rec["method"]
@@ -196,6 +199,19 @@ class Replayer:
         if body or method in ("POST", "PUT", "PATCH"):
             headers.append((b"Content-Length", str(len(body)).encode()))
         clock = self.deps.clock
+        if self.deps.kill.covers(route.name, clock.monotonic()):
+            # A killed sequence skips the breaker (one plain attempt), so a replay under a
+            # switch must never be what gets past a breaker that is not closed. The redrive is
+            # automatic retrying, which the switch turns off: it sends nothing. A replay asked
+            # by hand is sent as live traffic is under the switch (one attempt), and only while
+            # the breaker is closed. Otherwise the record stays as it was, no replay counted.
+            # No await from here to the Sequence below, which reads the switch as it starts.
+            if automatic:
+                return self._untouched(rec, Fate.KILL_SWITCH, 0)
+            if self.deps.states.get(route.name).breaker.state is not State.CLOSED:
+                return self._untouched(rec, Fate.BREAKER_OPEN, 0)
+        if self.deps.life.draining:
+            return self._untouched(rec, Fate.DRAINING, 0)  # no replay starts in a drain
         ex = Exchange(
             route=route,
             method=method,
@@ -228,17 +244,23 @@ class Replayer:
         if result is None or result.attempts == 0 or isinstance(result.error, LocalOverload):
             # Nothing was tried (breaker refused, no room, no time left): the record stays as
             # it was, and no replay is counted.
-            fate = Fate.BREAKER_OPEN if result is None else result.fate
-            fin = Finish(
-                rec["status"], False, rec["last_status"], rec["last_error"], False,
-                rec["parked_reason"],
-            )  # fmt: skip
-            attempts = 0 if result is None else result.attempts
-            return ReplayOutcome(rid, rec["status"], None, fate.value, attempts), fin
+            if result is None:
+                return self._untouched(rec, Fate.BREAKER_OPEN, 0)
+            return self._untouched(rec, result.fate, result.attempts)
         reached = reached_upstream(result, route, method, has_key)
         error = str(result.error) if result.error is not None else None
         fin = self._after_send(rec, route, http_status, error, reached)
         return ReplayOutcome(rid, fin.status, http_status, result.fate.value, result.attempts), fin
+
+    def _untouched(
+        self, rec: dict[str, Any], fate: Fate, attempts: int
+    ) -> tuple[ReplayOutcome, Finish]:
+        """A replay that sent nothing: the record keeps its status, no replay is counted."""
+        fin = Finish(
+            rec["status"], False, rec["last_status"], rec["last_error"], False,
+            rec["parked_reason"],
+        )  # fmt: skip
+        return ReplayOutcome(rec["id"], rec["status"], None, fate.value, attempts), fin
 
     def _after_send(
         self,

@@ -22,6 +22,7 @@ processes wrote; a metrics scrape only reads that published value and never touc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +113,10 @@ class DlqStore:
         self.counts = Counts()
         self.corrupt_moved_to: str | None = None
         self.available = False
+        self._file: tuple[int, int] | None = None  # (st_dev, st_ino) of the file opened
+        self.recreated = 0  # times the file was found deleted and written anew (writer thread)
+        # Told (from the writer thread) each time the file was recreated; the app counts it.
+        self.on_recreated: Callable[[], None] = lambda: None
 
     @property
     def by_status(self) -> dict[str, int]:
@@ -166,12 +171,15 @@ class DlqStore:
         writer = self._connect()
         try:
             schema.migrate(writer)
+            self._file = _identity(self.path)
             self._recount(writer)
             self._reader = self._connect()
         except BaseException:
             writer.close()
             raise
-        self._writer = GroupWriter(writer, self._committed, self._recount, lambda: REFRESH_EVERY)
+        self._writer = GroupWriter(
+            writer, self._committed, self._recount, lambda: REFRESH_EVERY, self._still_ours
+        )
         self._writer.start()
         self.available = True
 
@@ -189,21 +197,107 @@ class DlqStore:
         return conn
 
     def _healthy(self) -> bool:
+        """True when the file passes ``PRAGMA quick_check``; False only when SQLite says it is
+        damaged (SQLITE_CORRUPT, SQLITE_NOTADB, or a quick_check answer other than ``ok``).
+        Any other error -- a full disk that cannot take the ``-shm``, an I/O error, a lock, a
+        permission -- says nothing about the file: it is raised, and the file stays where it
+        is (moving a healthy file aside would empty the queue)."""
         try:
             conn = sqlite3.connect(self.path)
             try:
                 row = conn.execute("PRAGMA quick_check").fetchone()
             finally:
                 conn.close()
-        except sqlite3.OperationalError as exc:
-            if _locked(exc):
-                raise  # held by another process: not a sign of damage; open() tries again
-            log.error("DLQ quick_check of %s failed: %s", self.path, exc)
-            return False
         except sqlite3.DatabaseError as exc:
+            if not damaged(exc):
+                raise
             log.error("DLQ quick_check of %s failed: %s", self.path, exc)
             return False
-        return row is not None and row[0] == "ok"
+        if row is not None and row[0] == "ok":
+            return True
+        log.error("DLQ quick_check of %s found damage: %s", self.path, row)
+        return False
+
+    # -- the file deleted under a running process ------------------------------------------
+
+    def _still_ours(self, conn: sqlite3.Connection) -> sqlite3.Connection:
+        """In the writer thread, after each commit (before anyone is told "stored") and
+        before each refresh: the file at the path must be the one ``conn`` writes to.
+
+        Deleted (a careless ``rm``): what the open file holds -- the group just committed
+        included -- is copied to a new file at the path, connections move to it, and it is
+        said loudly (an error line, ``dlq_file_recreated_total``); the connection to go on with
+        is returned. Replaced by another file: that file is not ours to overwrite or merge
+        into; the DLQ stops taking records (unavailable until a restart opens the new file).
+        Raises DlqUnavailable when nothing committed now may be acknowledged."""
+        if not self.available:
+            raise DlqUnavailable("the DLQ file was replaced or lost; restart to open it again")
+        now = _identity(self.path)
+        if now == self._file:
+            return conn
+        if now is not None:
+            self.available = False
+            log.error(
+                "DLQ file %s was replaced by another file while in use; the DLQ takes no more "
+                "records until a restart opens it (the records it held stay in the open file "
+                "until then)",
+                self.path,
+            )
+            raise DlqUnavailable("the DLQ file was replaced while in use")
+        try:
+            fresh = self._recreate(conn)
+        except (sqlite3.Error, OSError) as exc:
+            self.available = False
+            log.error(
+                "DLQ file %s was deleted while in use and could not be written again: %s",
+                self.path,
+                exc,
+            )
+            raise DlqUnavailable(f"the DLQ file was deleted, not recreated: {exc}") from None
+        self.recreated += 1
+        self.on_recreated()
+        log.error(
+            "DLQ file %s was deleted while in use; every record it held was written to a new "
+            "file at that path (%d times so far)",
+            self.path,
+            self.recreated,
+        )
+        return fresh
+
+    def _recreate(self, old: sqlite3.Connection) -> sqlite3.Connection:
+        """Copy the open (deleted) database into a new file and link it in at the path; the
+        old connections are closed only once the new file is in place."""
+        tmp = f"{self.path}.restoring"
+        for suffix in ("", "-journal", *schema.SUFFIXES[1:]):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp + suffix)
+        schema.prepare_private_file(tmp)
+        copy = sqlite3.connect(tmp)
+        try:
+            old.backup(copy)
+        finally:
+            copy.close()
+        try:
+            os.link(tmp, self.path)  # never over a file someone put there meanwhile
+        finally:
+            os.unlink(tmp)
+        _sync_directory(self.path)
+        with self._read_lock:
+            if self._reader is not None:
+                self._reader.close()
+                self._reader = None
+        old.close()
+        fresh = self._connect()
+        try:
+            self._file = _identity(self.path)
+            self._recount(fresh)
+            reader = self._connect()
+        except BaseException:
+            fresh.close()
+            raise
+        with self._read_lock:
+            self._reader = reader
+        return fresh
 
     def close(self) -> None:
         if self._writer is not None:
@@ -544,6 +638,32 @@ def _log_release(fut: asyncio.Future[Any]) -> None:
     exc = fut.exception()
     if exc is not None:
         log.warning("giving back a DLQ replay claim failed (it will expire): %s", exc)
+
+
+CORRUPT_CODES = (11, 26)  # SQLITE_CORRUPT, SQLITE_NOTADB: the file itself is damaged
+
+
+def damaged(exc: sqlite3.Error) -> bool:
+    """The error says the file is not a sound database (extended codes keep the primary code
+    in their low byte); anything else is about the disk, a lock or the process."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in CORRUPT_CODES
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _sync_directory(path: str) -> None:
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _locked(exc: sqlite3.OperationalError) -> bool:

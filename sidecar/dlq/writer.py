@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sidecar.dlq.errors import REFUSALS, DlqUnavailable
+from sidecar.telemetry.logs import RateLimit
 
 log = logging.getLogger("sidecar.dlq")
 
@@ -46,13 +47,21 @@ class GroupWriter:
         committed: Callable[[sqlite3.Connection, Delta], None],
         refresh: Callable[[sqlite3.Connection], None],
         refresh_every: Callable[[], float],
+        verify: Callable[[sqlite3.Connection], sqlite3.Connection] = lambda conn: conn,
     ) -> None:
         self._conn = conn
+        # After each commit and before each refresh: is the connection's file still the one
+        # at the path? Gives the connection to go on with (a new one when the file was
+        # recreated), or raises when nothing can be acknowledged.
+        self._verify = verify
         self._committed = committed  # after a group committed a non-empty delta
         self._refresh = refresh
         self._refresh_every = refresh_every
         self._queue: queue.Queue[_Op | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        # A storage outage fails every group: one line per group would be one per failed
+        # request. Limited as the proxy's own error lines are (used by this thread only).
+        self._failures = RateLimit(per_interval=10, interval=60.0)
 
     @property
     def running(self) -> bool:
@@ -83,7 +92,6 @@ class GroupWriter:
         return fut
 
     def _run(self) -> None:
-        conn = self._conn
         next_refresh = time.monotonic() + self._refresh_every()
         try:
             while True:
@@ -113,11 +121,14 @@ class GroupWriter:
                 if stop:
                     return
         finally:
-            conn.close()
+            self._conn.close()
 
     def _safe_refresh(self) -> None:
         try:
+            self._conn = self._verify(self._conn)
             self._refresh(self._conn)
+        except DlqUnavailable as exc:
+            log.error("%s", exc)
         except sqlite3.Error as exc:
             log.warning("DLQ refresh failed (the gauges keep their last value): %s", exc)
 
@@ -145,10 +156,19 @@ class GroupWriter:
                     delta.update(before)
                     outcomes.append((False, exc))
             conn.execute("COMMIT")
+            # Before anyone is told "stored": the file committed to must still be the one
+            # at the path (an unlinked file is lost at the next start).
+            conn = self._conn = self._verify(conn)
+        except DlqUnavailable as exc:
+            outcomes = [(False, exc)] * len(batch)
+            delta = {}
         except (sqlite3.Error, OSError) as exc:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
-            log.error("DLQ write failed (%d operations refused): %s", len(batch), exc)
+            if self._failures.allow():
+                suppressed = self._failures.suppressed
+                more = f" ({suppressed} similar suppressed)" if suppressed else ""
+                log.error("DLQ write failed (%d operations refused): %s%s", len(batch), exc, more)
             err = DlqUnavailable(f"DLQ storage failed: {exc}")
             outcomes = [(False, err)] * len(batch)
             delta = {}

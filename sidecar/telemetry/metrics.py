@@ -155,6 +155,16 @@ class Metrics:
         self.dlq_oldest = Gauge(
             "dlq_oldest_record_age_seconds", "Age of the oldest pending DLQ record."
         )
+        self.dlq_available = Gauge(
+            "dlq_available",
+            "1 while the DLQ takes records; 0 while a DLQ route has no usable file (it could "
+            "not be opened, and opening is being tried again).",
+        )
+        self.dlq_file_recreated = Counter(
+            "dlq_file_recreated_total",
+            "Times the DLQ found its file deleted under it and wrote what it held to a new "
+            "file at its path.",
+        )
         self.hedges = Counter(
             "hedges_total",
             "Hedged attempts by route and result (sent, won, denied-limit, denied-budget, "
@@ -219,6 +229,8 @@ class Metrics:
             self.dlq_records,
             self.dlq_oldest,
             self.dlq_writes,
+            self.dlq_available,
+            self.dlq_file_recreated,
             self.hedges,
             self.throttle_probability,
             self.concurrency_limit,

@@ -56,6 +56,22 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $_ := set $policy "admin" (dict "listen" (printf "0.0.0.0:%d" (int .Values.sidecar.adminPort)) "token_env" "RETRY_SIDECAR_ADMIN_TOKEN" "allowed_hosts" (default (list) .Values.sidecar.adminAllowedHosts)) -}}
 {{- $dlq := default (dict) (get $policy "dlq") -}}
 {{- $_ := set $dlq "path" "/data/dlq.sqlite3" -}}
+{{- if .Values.dlq.persistence.enabled }}
+{{- /* The DLQ may hold half of its volume: the rest is room for SQLite's WAL, its -shm, free
+pages and per-row overhead, so that "full" refuses records before the disk does. */ -}}
+{{- $size := .Values.dlq.persistence.size -}}
+{{- $units := dict "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 -}}
+{{- $volume := mul (regexFind "^[0-9]+" $size | int64) (get $units (regexFind "(Ki|Mi|Gi|Ti)$" $size)) -}}
+{{- $bound := div $volume 2 -}}
+{{- if hasKey $dlq "max_bytes" }}
+{{- $given := get $dlq "max_bytes" -}}
+{{- if or (not (kindIs "float64" $given | or (kindIs "int" $given) | or (kindIs "int64" $given))) (gt (int64 $given) $bound) }}
+{{- fail (printf "sidecar.policy.dlq.max_bytes must be a number of bytes at most half of dlq.persistence.size (%d): the rest of the volume is room for SQLite's WAL; leave it out to get that bound" $bound) }}
+{{- end }}
+{{- else }}
+{{- $_ := set $dlq "max_bytes" $bound -}}
+{{- end }}
+{{- end }}
 {{- $_ := set $policy "dlq" $dlq -}}
 {{- $_ := set $policy "drain_timeout" (printf "%ds" (int .Values.sidecar.drainTimeoutSeconds)) -}}
 {{- toYaml $policy }}
