@@ -175,3 +175,16 @@ def test_dns_refresh():
     assert c.upstream_pool.dns_refresh == 30.0
     lines = errors_of("version: 1\nupstream_pool: {dns_refresh: 0s}\n" + MINIMAL.split("\n", 1)[1])
     assert any("upstream_pool.dns_refresh: must be greater than 0" in x for x in lines)
+
+
+def test_max_request_body_is_unlimited_by_default_and_takes_a_size_or_unlimited():
+    from sidecar.config.units import MAX_SIZE
+
+    assert parse_text(MINIMAL).limits.max_request_body == MAX_SIZE
+    top = MINIMAL.split("\n", 1)[1]
+    c = parse_text("version: 1\nlimits: {max_request_body: 8MiB}\n" + top)
+    assert c.limits.max_request_body == 8 * 1024 * 1024
+    c = parse_text("version: 1\nlimits: {max_request_body: unlimited}\n" + top)
+    assert c.limits.max_request_body == MAX_SIZE
+    with pytest.raises(ConfigError, match=r"limits\.max_request_body.*or 'unlimited'"):
+        parse_text("version: 1\nlimits: {max_request_body: lots}\n" + top)

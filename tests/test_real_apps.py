@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -132,6 +133,42 @@ async def test_long_polls_are_never_refused(tmp_path: Path) -> None:
         assert refused == {}, f"refused through the sidecar: {refused} of {dict(statuses)}"
         assert seen["poll"] == statuses[("/poll", 200)]
         assert seen["fast"] == statuses[("/fast", 200)]
+    finally:
+        proc.terminate()
+        await runner.cleanup()
+
+
+async def test_an_upload_of_many_mib_passes_as_direct(tmp_path: Path) -> None:
+    """A 20 MiB upload (a git push, a package upload) through the shipped defaults reaches
+    the app whole, as direct: no body limit is set by default (it was 1 MiB: 413). Sent with
+    Content-Length and chunked; streamed (over retry.max_body_bytes), never held."""
+    received: list[bytes] = []
+
+    async def take(request: web.Request) -> web.Response:
+        received.append(await request.read())
+        return web.Response(text="stored")
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_put("/upload", take)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    app_port = int(runner.addresses[0][1])
+    proc, port = await shipped_defaults_sidecar(tmp_path, f"http://127.0.0.1:{app_port}")
+    body = bytes(range(256)) * (20 * 1024 * 1024 // 256)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for i in range(0, len(body), 1024 * 1024):
+            yield body[i : i + 1024 * 1024]
+
+    try:
+        async with aiohttp.ClientSession() as client:
+            async with client.put(f"http://127.0.0.1:{port}/upload", data=body) as r:
+                assert (r.status, await r.text()) == (200, "stored")
+            async with client.put(f"http://127.0.0.1:{port}/upload", data=chunks()) as r:
+                assert (r.status, await r.text()) == (200, "stored")
+        assert received == [body, body]
     finally:
         proc.terminate()
         await runner.cleanup()

@@ -10,6 +10,8 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from sidecar.config.units import MAX_SIZE
+
 BackoffStrategy = Literal[
     "full_jitter", "equal_jitter", "decorrelated_jitter", "exponential", "constant"
 ]
@@ -252,6 +254,10 @@ class DlqStore:
     max_bytes: int = 1024**3
 
 
+# ``unlimited`` where a size may be: the largest size a config can hold.
+UNLIMITED_SIZE = MAX_SIZE
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     max_header_bytes: int = 32 * 1024
@@ -260,7 +266,10 @@ class Limits:
     # A client connection idle between requests is closed after this (nginx's default is 75 s;
     # aiohttp's own is an hour). Each idle connection costs ~10 KB here.
     keepalive_timeout: float = 75.0
-    max_request_body: int = 1024 * 1024
+    # No limit by default (``unlimited``), as Envoy and Linkerd: bodies over the route's
+    # retry.max_body_bytes are streamed, never held, so memory is bounded by what is buffered.
+    # A 20 MiB git push or a 30 MiB package upload must pass as it does direct.
+    max_request_body: int = UNLIMITED_SIZE
     # A client that takes no response bytes for this long is cut, and everything its request
     # held (bulkhead slot, upstream connection, buffers) is given back (nginx's send_timeout).
     send_timeout: float = 60.0

@@ -436,7 +436,11 @@ class _Parser:
                 lraw, "body_idle_timeout", ("limits",), _positive_duration, d.body_idle_timeout
             ),
             max_request_body=self.field(
-                lraw, "max_request_body", ("limits",), units.parse_size, d.max_request_body
+                lraw,
+                "max_request_body",
+                ("limits",),
+                units.parse_size_or_unlimited,
+                d.max_request_body,
             ),
             keepalive_timeout=self.field(
                 lraw, "keepalive_timeout", ("limits",), _positive_duration, d.keepalive_timeout

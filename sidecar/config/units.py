@@ -46,6 +46,16 @@ def parse_duration(value: object) -> float:
     return seconds
 
 
+def parse_size_or_unlimited(value: object) -> int:
+    """``parse_size``, or ``unlimited``: the largest size there is (``MAX_SIZE``)."""
+    if value == "unlimited":
+        return MAX_SIZE
+    try:
+        return parse_size(value)
+    except UnitError as e:
+        raise UnitError(f"{e} (or 'unlimited')") from None
+
+
 def parse_size(value: object) -> int:
     """Return bytes. Accepts an integer or ``512``, ``64KiB``, ``1MiB``, ``1GiB``."""
     if isinstance(value, bool):
