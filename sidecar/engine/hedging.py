@@ -56,8 +56,10 @@ async def hedged(driver: Driver, after: float) -> SequenceResult:
                     continue
                 if isinstance(a.error, LocalOverload):
                     if running.active:
-                        continue  # a hedge found no room after all; the others go on
-                    return d.result(Fate.OVERLOADED, a)
+                        d.not_sent(a)
+                        continue  # a hedge (or retry) found no room after all; others go on
+                    return d.refused(a)
+                d.came_back(a)
                 failed = d.failed(a)
                 if failed:
                     d.note_failure(a)
@@ -94,3 +96,4 @@ async def hedged(driver: Driver, after: float) -> SequenceResult:
         # (whatever way this ends -- a winner, the deadline, the client leaving).
         if last is not None:
             last.discard()
+        d.ended()
