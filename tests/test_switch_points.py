@@ -75,7 +75,7 @@ async def test_nothing_starts_after_a_switch_or_a_drain(
     async def one(i: int) -> str:
         async with client.get(f"{sc.url}/r/{i}") as r:
             await r.read()
-            return r.headers["x-retry-fate"]
+            return str(r.headers["x-retry-fate"])
 
     fates = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(SEQUENCES))), 60)
     assert at, "the switch point was never reached"
