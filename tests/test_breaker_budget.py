@@ -52,3 +52,23 @@ def test_kill_switch_scopes_and_expiry():
     assert k.lift("route:orders") and not k.covers("orders", 11.0)
     with pytest.raises(ValueError):
         k.set("global", 86401.0, "too long", "x", 0.0, 0.0)
+
+
+def test_a_retry_not_sent_gives_its_budget_token_back():
+    bud = Budget(BudgetPolicy(ratio=0.0, min_per_second=0.1, window=10.0))  # 1 retry per window
+    assert bud.try_retry(1.0)
+    assert not bud.try_retry(1.5)
+    bud.give_back(1.0)  # the retry allowed at 1.0 was not sent
+    assert bud.counts(2.0) == (0, 0)
+    assert bud.try_retry(2.0)
+    bud.give_back(2.0)
+    bud.give_back(2.0)  # never below nothing
+    assert bud.counts(2.0) == (0, 0)
+
+
+def test_giving_back_a_token_that_left_the_window_touches_nothing_newer():
+    w = Window(1.0)
+    w.add(0.05, b=1)
+    w.add(1.05, b=1)  # the same slot, a bucket later: the old one left the window
+    w.take_back(0.05, b=1)
+    assert w.totals(1.05) == (0, 1)

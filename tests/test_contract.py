@@ -114,8 +114,8 @@ def _proxy_error_codes_in_readme() -> set[str]:
 async def test_a_kill_switch_set_during_a_backoff_answers_with_a_documented_error(
     tmp_path: Path,
 ) -> None:
-    """A retry scheduled before an SRE flips the kill switch is not sent; the client gets the
-    sidecar's own 503. Its x-retry-proxy-error code must be one README documents, its
+    """A retry scheduled before an SRE flips the kill switch is not sent (nor counted in
+    retries_total or the retry budget); the client gets the sidecar's own 503. Its x-retry-proxy-error code must be one README documents, its
     Proxy-Status must not claim a broken connection (the upstream answered, with a 503), and
     RFC 9209's ``received-status`` says what the upstream answered."""
     seen: list[str] = []
@@ -144,20 +144,24 @@ async def test_a_kill_switch_set_during_a_backoff_answers_with_a_documented_erro
         async with aiohttp.ClientSession() as client:
             pending = asyncio.create_task(client.get(f"http://127.0.0.1:{port}/x"))
             await until(lambda: len(seen) == 1, "the first attempt")
-            # The retry is scheduled (counted before its backoff starts): the sequence waits.
-            scheduled = False
+            # Its answer has been judged once the attempt is counted: the sequence then sleeps
+            # out its 60 s backoff (nothing is awaited between the two).
+            judged = False
 
-            async def retry_scheduled() -> None:
-                nonlocal scheduled
+            async def attempt_counted() -> None:
+                nonlocal judged
                 async with client.get(f"http://127.0.0.1:{admin}/metrics") as m:
-                    scheduled = 'retry_sidecar_retries_total{route="main"} 1' in await m.text()
+                    judged = (
+                        'retry_sidecar_attempts_total{route="main",outcome="503"} 1'
+                        in await m.text()
+                    )
 
             for _ in range(1500):
-                await asyncio.wait_for(retry_scheduled(), 15)
-                if scheduled:
+                await asyncio.wait_for(attempt_counted(), 15)
+                if judged:
                     break
                 await asyncio.sleep(0.01)
-            assert scheduled, "the retry was never scheduled"
+            assert judged, "the first attempt was never counted"
             async with client.put(
                 f"http://127.0.0.1:{admin}/killswitch",
                 json={"scope": "route:main", "ttl": "15m", "reason": "INC-1"},
@@ -177,6 +181,13 @@ async def test_a_kill_switch_set_during_a_backoff_answers_with_a_documented_erro
         )
         assert body["fate"] == "kill-switch" and body["attempts"] == 1
         assert "kill switch" in body["error"]
+        # The retry never went out: not counted, and its retry-budget token was given back.
+        async with aiohttp.ClientSession() as client:
+            async with client.get(f"http://127.0.0.1:{admin}/metrics") as m:
+                assert 'retry_sidecar_retries_total{route="main"} 1' not in await m.text()
+            async with client.get(f"http://127.0.0.1:{admin}/status") as st:
+                [route] = (await st.json())["routes"]
+                assert route["budget_retries"] == 0
     finally:
         sc.terminate()
         await runner.cleanup()
@@ -474,3 +485,54 @@ async def test_an_admin_path_called_with_the_wrong_method_answers_405_with_allow
         assert set(body) == {"error"} and key[0] in body["error"], key
     status, allowed, body = seen["GET", "/no/such/thing"]
     assert (status, allowed, set(body)) == (404, None, {"error"})
+
+
+async def test_a_client_gone_during_a_backoff_leaves_its_retry_uncounted(
+    tmp_path: Path, upstream_factory
+) -> None:
+    """The real process: the client leaves while its sequence sleeps out a backoff after an
+    upstream 503. The retry it waited for is never sent, so it is neither in retries_total nor
+    in the retry budget (its token goes back); the request counts as client-gone."""
+    from tests.conftest import reply
+
+    up = await upstream_factory(reply(503, b"down"))
+    sc, port, admin = await start_process(
+        tmp_path,
+        f"""routes:
+  - name: main
+    upstream: "{up.url}"
+    timeout: 5m
+    retry: {{attempts: 3, backoff: {{strategy: constant, base: 60s, max: 60s}}}}
+""",
+    )
+    try:
+        async with aiohttp.ClientSession() as client:
+
+            async def metrics() -> str:
+                async with client.get(f"http://127.0.0.1:{admin}/metrics") as m:
+                    return await m.text()
+
+            _r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+            await w.drain()
+            text = ""
+            for _ in range(1500):  # the attempt is counted: the sequence sleeps its backoff
+                text = await asyncio.wait_for(metrics(), 15)
+                if 'retry_sidecar_attempts_total{route="main",outcome="503"} 1' in text:
+                    break
+                await asyncio.sleep(0.01)
+            assert 'outcome="503"} 1' in text
+            w.transport.abort()  # the client leaves during the backoff
+            for _ in range(1500):
+                text = await asyncio.wait_for(metrics(), 15)
+                if 'retry_sidecar_requests_total{route="main",fate="client-gone"} 1' in text:
+                    break
+                await asyncio.sleep(0.01)
+            assert 'fate="client-gone"} 1' in text
+            assert 'retry_sidecar_retries_total{route="main"} 1' not in text
+            async with client.get(f"http://127.0.0.1:{admin}/status") as st:
+                [route] = (await st.json())["routes"]
+                assert route["budget_retries"] == 0
+        assert len(up.seen) == 1
+    finally:
+        sc.terminate()

@@ -46,6 +46,12 @@ class FakeSleepGate:
     def allow_retry(self) -> Fate | None:
         return None
 
+    def retry_unsent(self) -> None:
+        pass
+
+    def retry_sent(self) -> None:
+        pass
+
     def allow_hedge(self) -> str | None:
         return None
 

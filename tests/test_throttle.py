@@ -111,3 +111,61 @@ def test_probability_is_a_probability_and_zero_when_enough_is_accepted(n, a, k):
         assert p == 0.0
     if p == 1.0:
         assert t.down(1.0)
+
+
+def test_the_open_breaker_keeps_the_throttle_down_so_no_half_open_ramp_starts_with_retries():
+    """A full outage on a fake clock, one sequence every 2 ms, through the route's real breaker,
+    throttle and budget: every attempt fails, each sequence ends with the verdict the engine
+    would give it. The sequences the open breaker refuses count for the throttle as requests
+    not accepted, so its window still says "down" when a half-open ramp starts: once the
+    breaker has opened, no sequence makes a retry, and each one it lets through costs exactly
+    one call. (Before, a breaker open longer than the throttle's 1 s window left that window
+    empty, below ``min_requests``: every ramp began with retries allowed.)"""
+    from sidecar.config.parse import parse_text
+    from sidecar.core import Fate
+    from sidecar.engine.routestate import RouteState
+    from sidecar.retry.breaker import Admitted, State
+    from sidecar.retry.classify import CUT_SHORT, verdict
+
+    config = parse_text("version: 1\nroutes:\n  - {name: r, upstream: 'http://127.0.0.1:1'}\n")
+    route = config.routes[0]
+    st = RouteState(route, None)
+    rng = random.Random(16)
+    opened = False
+    half_open_periods = 0
+    let_through_after_open = calls_after_open = 0
+    onset_retries = 0
+    for i in range(30_000):  # 60 s of a full outage
+        now = i * 0.002
+        was_half_open = st.breaker.state is State.HALF_OPEN
+        admission = st.admit(now)
+        if st.breaker.state is State.HALF_OPEN and not was_half_open:
+            half_open_periods += 1
+        if not isinstance(admission, Admitted):
+            opened = True
+            continue
+        st.budget.record_request(now)
+        fate, calls = Fate.EXHAUSTED, 0
+        for attempt in range(1, route.retry.attempts + 1):
+            if attempt > 1:
+                if not st.throttle.allow(now, rng):
+                    fate = Fate.THROTTLED
+                    break
+                if not st.budget.try_retry(now):
+                    fate = Fate.BUDGET_EXHAUSTED
+                    break
+                if not opened:
+                    onset_retries += 1
+            calls += 1
+            st.throttle.record(now, accepted=False)  # 503
+        down = fate in CUT_SHORT and st.throttle.down(now)
+        v = verdict(route.retry, 503, None, False, fate, down)
+        st.breaker.record(now, v, admission.probe, None, admission.period)
+        if opened:
+            let_through_after_open += 1
+            calls_after_open += calls
+    assert opened and half_open_periods >= 4  # the breaker cycled through several ramps
+    assert let_through_after_open > 0
+    assert calls_after_open == let_through_after_open  # one call each: no retry in any ramp
+    # The onset, before the window holds min_requests attempts, is the throttle's design.
+    assert onset_retries < route.throttle.min_requests

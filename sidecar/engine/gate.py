@@ -18,7 +18,7 @@ class Switches(Protocol):
 
 
 class SequenceGate:
-    __slots__ = ("_clock", "_kill", "_life", "_rng", "_route", "_state")
+    __slots__ = ("_clock", "_kill", "_life", "_rng", "_route", "_spent_at", "_state")
 
     def __init__(
         self,
@@ -35,6 +35,7 @@ class SequenceGate:
         self._life = life
         self._clock = clock
         self._rng = rng
+        self._spent_at: float | None = None  # when the retry allowed last took its token
 
     def killed(self) -> bool:
         return self._kill.covers(self._route, self._clock.monotonic())
@@ -47,7 +48,18 @@ class SequenceGate:
             return Fate.THROTTLED
         if not st.budget.try_retry(now):
             return Fate.BUDGET_EXHAUSTED
+        self._spent_at = now
         return None
+
+    def retry_unsent(self) -> None:
+        """The retry allowed last was not sent after all: its budget token goes back."""
+        at, self._spent_at = self._spent_at, None
+        if at is not None:
+            self._state.budget.give_back(at)
+
+    def retry_sent(self) -> None:
+        """The retry allowed last went out: its token stays spent."""
+        self._spent_at = None
 
     def allow_hedge(self) -> str | None:
         now = self._clock.monotonic()

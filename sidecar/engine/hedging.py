@@ -60,14 +60,16 @@ async def hedged(driver: Driver, after: float) -> SequenceResult:
                     continue
                 if isinstance(a.error, LocalOverload):
                     if not running.active and last is None:
-                        return d.result(Fate.OVERLOADED, a)
+                        return d.refused(a)  # the last upstream answer kept, if any, stands
                     # Refused in the sidecar (the pool stayed full) while others of this
                     # sequence ran or failed: it never left and counts for nothing.
+                    d.not_sent(a)
                     d.uncount(a)
                     if running.active or last is None:
                         continue
                     a, last = last, None  # the failure kept meanwhile is the one to judge
                 else:
+                    d.came_back(a)
                     failed = d.failed(a)
                     if failed:
                         d.note_failure(a)
@@ -104,3 +106,4 @@ async def hedged(driver: Driver, after: float) -> SequenceResult:
         # (whatever way this ends -- a winner, the deadline, the client leaving).
         if last is not None:
             last.discard()
+        d.ended()

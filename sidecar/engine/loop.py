@@ -38,8 +38,13 @@ from sidecar.retry.classify import Outcome, is_retryable
 from sidecar.retry.deadline import Deadline
 from sidecar.retry.decide import Constraints, Decision, Retry, Stop, decide, stop
 from sidecar.retry.endpoints import Endpoint
-from sidecar.telemetry.events import EventSink, HedgeEvent, RetryScheduled
+from sidecar.telemetry.events import EventSink, HedgeEvent, RetrySent
 from sidecar.upstream.client import UpstreamResponse
+
+# A failed answer whose body has all arrived and is at most this long is kept through the
+# backoff without its connection (``UpstreamResponse.detach``), so that a retry the sidecar's
+# own limits then refuse relays it; a longer or unfinished one is let go before the sleep.
+KEEP_ANSWER_MAX = 64 * 1024
 
 
 class RetryGate(Protocol):
@@ -48,7 +53,16 @@ class RetryGate(Protocol):
     def killed(self) -> bool: ...
 
     def allow_retry(self) -> Fate | None:
-        """None when a retry may go; else the fate that stops the sequence."""
+        """None when a retry may go (it takes a budget token); else the fate that stops the
+        sequence."""
+        ...
+
+    def retry_unsent(self) -> None:
+        """The retry allowed last was not sent after all: its budget token goes back."""
+        ...
+
+    def retry_sent(self) -> None:
+        """The retry allowed last went out."""
         ...
 
     def allow_hedge(self) -> str | None:
@@ -155,7 +169,9 @@ class Driver:
         "gate",
         "hedges",
         "issued",
+        "kept",
         "number",
+        "pending",
         "policy",
         "previous_delay",
         "rng",
@@ -189,6 +205,12 @@ class Driver:
         self.previous_delay: float | None = None
         self.used: list[Endpoint] = []
         self.failed_before = False  # an attempt that reached the upstream has failed
+        # The last failed attempt, kept through the backoff with nothing held (its answer
+        # detached from its connection, or an error): what stands if the retry is refused
+        # locally, as when the budget or the throttle refuses it.
+        self.kept: Attempted | None = None
+        # The retry decided (its budget token taken) whose attempt has not come back yet.
+        self.pending: RetrySent | None = None
 
     def run(self) -> Coroutine[Any, Any, SequenceResult]:
         """The coroutine that runs the sequence, in its shape: the caller awaits it directly
@@ -263,14 +285,19 @@ class Driver:
     async def backoff(self, a: Attempted, retry: Retry) -> SequenceResult | None:
         """Sleep before the next attempt; a result when the sequence ends instead (the
         deadline went meanwhile, or the kill switch was set during the wait)."""
-        a.discard()
-        self.events.retry_scheduled(
-            RetryScheduled(self.route.name, self.number + 1, retry.delay, retry.from_retry_after)
+        self.keep(a)
+        self.pending = RetrySent(
+            self.route.name, self.number + 1, retry.delay, retry.from_retry_after
         )
         self.previous_delay = retry.delay
-        await self.gate.sleep(retry.delay)
+        try:
+            await self.gate.sleep(retry.delay)
+        except BaseException:
+            self.unsent()  # the client left during the backoff: the retry is not sent
+            raise
         if not self.c.killed and self.gate.killed():
             # The kill switch was set during the backoff: the scheduled retry is not sent.
+            self.unsent()
             stopped = a.error or RetryStopped(
                 f"upstream answered {a.outcome.label}; the retry was stopped by the kill switch",
                 a.outcome.status or None,
@@ -279,8 +306,63 @@ class Driver:
                 Fate.KILL_SWITCH, self.number, None, stopped, self.hedges, a.outcome, True
             )
         if self.deadline.remaining(self.clock.monotonic()) <= 0:
+            self.unsent()
             return self.spent()
         return None
+
+    def keep(self, a: Attempted) -> None:
+        """Keep ``a`` through the backoff, holding nothing: its answer detached from its
+        connection when it is complete and small, else let go now."""
+        self.kept = a
+        up = a.response
+        if up is not None and not up.detach_answer(KEEP_ANSWER_MAX):
+            up.discard()
+            self.kept = None
+
+    def unsent(self) -> None:
+        """The pending retry was not sent: not counted, its budget token given back."""
+        if self.pending is not None:
+            self.pending = None
+            self.gate.retry_unsent()
+        self.kept = None
+
+    def came_back(self, a: Attempted) -> None:
+        """Attempt ``a`` came back from the upstream (not refused locally): when it is the
+        pending retry, that retry was sent."""
+        p = self.pending
+        if p is not None and p.attempt == a.number and not a.hedge:
+            self.pending = None
+            self.gate.retry_sent()
+            self.events.retry_sent(p)
+            self.kept = None
+
+    def refused(self, a: Attempted) -> SequenceResult:
+        """No room in the sidecar for attempt ``a`` (concurrency limit, pool): the upstream was
+        not asked, so it is not retried here and not counted as its failure. A refused retry
+        is not sent (its budget token goes back) and the last upstream answer stands, with fate
+        ``overloaded``, as when the budget or the throttle refuses a retry; without one (a
+        first attempt, or an answer too long to keep) the sidecar answers itself."""
+        kept = self.kept
+        self.not_sent(a)
+        if kept is not None:
+            return self.result(Fate.OVERLOADED, kept)
+        return self.result(Fate.OVERLOADED, a)
+
+    def not_sent(self, a: Attempted) -> None:
+        """Attempt ``a`` was refused locally: when it is the pending retry, it was not sent."""
+        p = self.pending
+        if p is not None and p.attempt == a.number and not a.hedge:
+            self.unsent()
+
+    def ended(self) -> None:
+        """The sequence is over. A retry still pending was interrupted while its attempt ran
+        (the client left, a hedge won): it may have gone out, so it counts as sent."""
+        p = self.pending
+        if p is not None:
+            self.pending = None
+            self.gate.retry_sent()
+            self.events.retry_sent(p)
+        self.kept = None
 
     def spent(self) -> SequenceResult:
         # No byte is written upstream once the deadline is spent (a long bulkhead wait, or
@@ -291,24 +373,26 @@ class Driver:
         )
 
     async def one_at_a_time(self) -> SequenceResult:
-        while True:
-            if self.deadline.remaining(self.clock.monotonic()) <= 0:
-                return self.spent()
-            self.number += 1
-            endpoint = self.attempter.pick(self.used)
-            self.used.append(endpoint)
-            a = await self.attempter.attempt(self.number, False, endpoint, self.timeout())
-            if isinstance(a.error, LocalOverload):
-                # No room in the sidecar (concurrency limit, pool): the upstream was not
-                # asked, so this is not retried here and not counted as its failure.
-                return self.result(Fate.OVERLOADED, a)
-            d = self.judged(a)
-            if isinstance(d, Stop):
-                return self.result(d.fate, a)
-            self.note_failure(a)
-            ended = await self.backoff(a, d)
-            if ended is not None:
-                return ended
+        try:
+            while True:
+                if self.deadline.remaining(self.clock.monotonic()) <= 0:
+                    return self.spent()
+                self.number += 1
+                endpoint = self.attempter.pick(self.used)
+                self.used.append(endpoint)
+                a = await self.attempter.attempt(self.number, False, endpoint, self.timeout())
+                if isinstance(a.error, LocalOverload):
+                    return self.refused(a)
+                self.came_back(a)
+                d = self.judged(a)
+                if isinstance(d, Stop):
+                    return self.result(d.fate, a)
+                self.note_failure(a)
+                ended = await self.backoff(a, d)
+                if ended is not None:
+                    return ended
+        finally:
+            self.ended()
 
     def failed(self, a: Attempted) -> bool:
         return (

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from sidecar.config.model import BudgetPolicy, Config, HedgePolicy, Route
 from sidecar.engine.bulkhead import Bulkhead
-from sidecar.retry.breaker import Breaker, State
+from sidecar.retry.breaker import Admission, Breaker, Rejected, State
 from sidecar.retry.budget import Budget
 from sidecar.retry.concurrency import AdaptiveLimit
 from sidecar.retry.endpoints import EndpointSet
@@ -60,6 +60,17 @@ class RouteState:
         self.bulkhead = Bulkhead(route.bulkhead)
         self.upstreams = route.upstreams
         self.endpoints = EndpointSet(configured_endpoints(route))
+
+    def admit(self, now: float) -> Admission:
+        """The breaker's admission of a sequence. One it refuses counts for the throttle as a
+        request the upstream did not accept, as the SRE book's client-side throttling counts
+        the requests it rejects itself: while the breaker is open the throttle's window keeps
+        saying "down" instead of emptying, so that a half-open ramp starts with retries
+        refused rather than allowed (until ``min_requests`` fresh attempts)."""
+        admission = self.breaker.admit(now)
+        if isinstance(admission, Rejected):
+            self.throttle.record(now, accepted=False)
+        return admission
 
     def update(self, route: Route) -> None:
         self.breaker.update_policy(route.breaker)

@@ -141,7 +141,7 @@ class Sequence:
         route = ex.route
         self._killed = deps.kill.covers(route.name, now)
         if not self._killed and ex.edge is None:
-            admission = self._state.breaker.admit(now)
+            admission = self._state.admit(now)
             if not isinstance(admission, Admitted):
                 self.refused_for = admission.retry_after
                 return self

@@ -4,6 +4,10 @@ Retries may add at most ``ratio`` of the route's recent request rate plus ``min_
 over ``window``: a retry is allowed while
 
     retries_in_window < ratio * requests_in_window + min_per_second * window
+
+A retry takes its token when it is decided (the answer it would replace is still in hand, so a
+refusal can relay it) and gives it back if it is not sent after all (``give_back``): only the
+retries the upstream really gets count.
 """
 
 from __future__ import annotations
@@ -37,6 +41,11 @@ class Budget:
             return True
         self.exhausted += 1
         return False
+
+    def give_back(self, spent_at: float) -> None:
+        """A retry that ``try_retry`` allowed at ``spent_at`` was not sent after all (stopped
+        during its backoff, or refused by the sidecar's own limits): it costs nothing."""
+        self._window.take_back(spent_at, b=1)
 
     def counts(self, now: float) -> tuple[int, int]:
         """(requests, retries) in the current window."""

@@ -53,7 +53,10 @@ class Throttle:
         self.policy = policy
 
     def record(self, now: float, accepted: bool) -> None:
-        """One attempt that reached the upstream (or tried to) has ended."""
+        """One attempt that reached the upstream (or tried to) has ended; or, not accepted, one
+        sequence the route's open breaker refused (``RouteState.admit``): as the SRE book
+        counts the requests its throttle rejects, so that the window does not empty while the
+        breaker is open and each half-open ramp starts knowing "down"."""
         self._window.add(now, a=1, b=1 if accepted else 0)
 
     def probability(self, now: float) -> float:

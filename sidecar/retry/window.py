@@ -34,6 +34,15 @@ class Window:
         self._a[i] += a
         self._b[i] += b
 
+    def take_back(self, at: float, a: int = 0, b: int = 0) -> None:
+        """Undo an ``add(at, a, b)``, if its bucket is still in the window (else it has left
+        the window already)."""
+        n = int(at / self._width)
+        i = n % BUCKETS
+        if self._epoch[i] == n:
+            self._a[i] = max(0, self._a[i] - a)
+            self._b[i] = max(0, self._b[i] - b)
+
     def totals(self, now: float) -> tuple[int, int]:
         n = int(now / self._width)
         ta = tb = 0

@@ -62,10 +62,14 @@ class SequenceEnded:
 
 
 @dataclass(slots=True)
-class RetryScheduled:
+class RetrySent:
+    """A retry that went out: its backoff ran to its end and the sidecar's own limits let its
+    attempt through (one stopped during the backoff -- kill switch, deadline, the client gone --
+    or refused by the pool or the concurrency limit is not one)."""
+
     route: str
-    attempt: int  # the attempt that will follow
-    delay: float
+    attempt: int  # the retry's attempt number
+    delay: float  # the backoff it waited
     from_retry_after: bool
 
 
@@ -85,7 +89,7 @@ class BreakerTransitioned:
 class EventSink(Protocol):
     def attempt_ended(self, event: AttemptEnded) -> None: ...
 
-    def retry_scheduled(self, event: RetryScheduled) -> None: ...
+    def retry_sent(self, event: RetrySent) -> None: ...
 
     def sequence_ended(self, event: SequenceEnded) -> None: ...
 
@@ -104,9 +108,9 @@ class Fanout:
         for s in self.sinks:
             s.attempt_ended(event)
 
-    def retry_scheduled(self, event: RetryScheduled) -> None:
+    def retry_sent(self, event: RetrySent) -> None:
         for s in self.sinks:
-            s.retry_scheduled(event)
+            s.retry_sent(event)
 
     def sequence_ended(self, event: SequenceEnded) -> None:
         for s in self.sinks:
@@ -126,7 +130,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.attempts: list[AttemptEnded] = []
-        self.retries: list[RetryScheduled] = []
+        self.retries: list[RetrySent] = []
         self.sequences: list[SequenceEnded] = []
         self.transitions: list[BreakerTransitioned] = []
         self.hedges: list[HedgeEvent] = []
@@ -134,7 +138,7 @@ class Recorder:
     def attempt_ended(self, event: AttemptEnded) -> None:
         self.attempts.append(event)
 
-    def retry_scheduled(self, event: RetryScheduled) -> None:
+    def retry_sent(self, event: RetrySent) -> None:
         self.retries.append(event)
 
     def sequence_ended(self, event: SequenceEnded) -> None:

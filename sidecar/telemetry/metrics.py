@@ -16,7 +16,7 @@ from sidecar.telemetry.events import (
     AttemptEnded,
     BreakerTransitioned,
     HedgeEvent,
-    RetryScheduled,
+    RetrySent,
     SequenceEnded,
 )
 
@@ -127,7 +127,7 @@ class Metrics:
     def __init__(self) -> None:
         self.requests = Counter("requests_total", "Client requests by route and fate.")
         self.attempts = Counter("attempts_total", "Upstream attempts by route and outcome.")
-        self.retries = Counter("retries_total", "Retries scheduled by route.")
+        self.retries = Counter("retries_total", "Retries sent by route.")
         self.budget_exhausted = Counter(
             "retry_budget_exhausted_total", "Retries denied by the retry budget."
         )
@@ -287,7 +287,7 @@ class Metrics:
         self.attempts.inc(self._pair(self._outcome, e.route, "outcome", e.outcome))
         self.attempt_duration.observe(self._route_labels(e.route), e.duration)
 
-    def retry_scheduled(self, e: RetryScheduled) -> None:
+    def retry_sent(self, e: RetrySent) -> None:
         self.retries.inc(self._route_labels(e.route))
 
     def sequence_ended(self, e: SequenceEnded) -> None:

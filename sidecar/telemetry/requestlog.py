@@ -13,7 +13,7 @@ from sidecar.telemetry.events import (
     AttemptEnded,
     BreakerTransitioned,
     HedgeEvent,
-    RetryScheduled,
+    RetrySent,
     SequenceEnded,
 )
 
@@ -27,7 +27,7 @@ class RequestLog:
     def attempt_ended(self, event: AttemptEnded) -> None:
         pass
 
-    def retry_scheduled(self, event: RetryScheduled) -> None:
+    def retry_sent(self, event: RetrySent) -> None:
         pass
 
     def hedged(self, event: HedgeEvent) -> None:

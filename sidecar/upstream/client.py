@@ -15,16 +15,38 @@ Headers = list[tuple[bytes, bytes]]
 Body = bytes | AsyncIterator[bytes] | None
 
 
+class _Kept:
+    """What a detached response still needs of its connection (see ``detach``)."""
+
+    __slots__ = ("abandoned", "body", "content_length", "extra_data", "has_body")
+
+    def __init__(
+        self,
+        content_length: int | None,
+        has_body: bool,
+        extra_data: bool,
+        abandoned: bool,
+        body: bytes,
+    ) -> None:
+        self.content_length = content_length
+        self.has_body = has_body
+        self.extra_data = extra_data
+        self.abandoned = abandoned
+        self.body = body
+
+
 class UpstreamResponse:
     """A response whose head has arrived; the body streams with ``read_chunk``.
 
     Exactly one of ``release()`` (after the body was read to its end) or ``discard()`` must be
-    called; both are idempotent.
+    called; both are idempotent. A complete small response can be ``detach``ed from its
+    connection instead: it then holds nothing but its bytes.
     """
 
     __slots__ = (
         "_conn",
         "_done",
+        "_kept",
         "_pool",
         "headers",
         "interim",
@@ -37,6 +59,7 @@ class UpstreamResponse:
         self._pool = pool
         self._conn = conn
         self._done = False
+        self._kept: _Kept | None = None  # set by detach: the connection is no longer ours
         self.status = conn.status
         self.headers = conn.headers
         # 1xx responses (other than 100) that came before this one: (status, headers).
@@ -48,41 +71,74 @@ class UpstreamResponse:
     @property
     def content_length(self) -> int | None:
         """The body length the upstream announced (None when chunked or close-delimited)."""
-        return self._conn.content_length
+        k = self._kept
+        return self._conn.content_length if k is None else k.content_length
 
     @property
     def has_body(self) -> bool:
-        c = self._conn
-        return not (c.head_only or self.status in (204, 304))
+        k = self._kept
+        if k is not None:
+            return k.has_body
+        return not (self._conn.head_only or self.status in (204, 304))
 
     @property
     def complete(self) -> bool:
         """The whole response, body included, has arrived."""
-        return self._conn.complete
+        return self._kept is not None or self._conn.complete
 
     @property
     def extra_data(self) -> bool:
         """The upstream sent bytes after this response (dropped; the connection is closed)."""
-        return self._conn.extra_data
+        k = self._kept
+        return self._conn.extra_data if k is None else k.extra_data
 
     @property
     def request_abandoned(self) -> bool:
         """The upstream answered before the request body was all sent (an early answer)."""
-        return self._conn.state.req is Req.ABANDONED
+        k = self._kept
+        return self._conn.state.req is Req.ABANDONED if k is None else k.abandoned
 
     @property
     def buffered_bytes(self) -> int:
-        return self._conn.buffered
+        k = self._kept
+        return self._conn.buffered if k is None else len(k.body)
 
     def take_body(self) -> bytes:
         """All of the body, when ``complete``."""
         assert self.complete
+        k = self._kept
+        if k is not None:
+            body, k.body = k.body, b""
+            return body
         body = b"".join(self._conn.body)
         self._conn.body.clear()
         return body
 
     async def read_chunk(self, idle_timeout: float) -> bytes:
+        if self._kept is not None:
+            return self.take_body()  # all of it, then b"": the end
         return await self._conn.read_chunk(idle_timeout)
+
+    def detach_answer(self, limit: int) -> bool:
+        """Keep this answer without its connection: when the whole of it has arrived, with at
+        most ``limit`` body bytes, the body is copied out and the connection given back to the
+        pool (kept if its exchange ended cleanly), so the answer can still be relayed later
+        while it holds nothing but its bytes. False, and nothing done, for an answer still
+        arriving, a larger one, or one already let go."""
+        c = self._conn
+        if self._done or not c.complete or c.buffered > limit:
+            return False
+        self._kept = _Kept(
+            c.content_length,
+            self.has_body,
+            c.extra_data,
+            c.state.req is Req.ABANDONED,
+            b"".join(c.body),
+        )
+        c.body.clear()
+        self._done = True
+        self._pool.release(c)
+        return True
 
     def release(self) -> None:
         if not self._done:
