@@ -35,6 +35,7 @@ ROUTE = f"""    timeout: 30s
     throttle: {{enabled: false}}
     breaker: {{enabled: false}}
     budget: {{ratio: 10, min_per_second: 100}}
+    bulkhead: {{adaptive: true}}  # its tickets count the attempts in flight
 """
 
 
