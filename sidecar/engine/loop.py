@@ -257,7 +257,7 @@ class Driver:
             return stop(outcome.refused_below)
         c = self.c
         if not c.killed and self.gate.killed():
-            c = Constraints(c.may_resend, c.body_replayable, c.edge_owned, True)
+            c = Constraints(c.may_resend, c.body_replayable, c.edge_owned, True, c.once)
         decision = decide(
             self.policy,
             outcome,

@@ -252,6 +252,7 @@ class Sequence:
             body_replayable=ex.replayable,
             edge_owned=ex.edge is not None,
             killed=killed,
+            once=ex.upgrade,
         )
         # Hedged: on a route that turns it on, a method it hedges (GET, HEAD, OPTIONS unless it
         # lists more), never a request with an Idempotency-Key (two copies of it in flight at

@@ -138,9 +138,11 @@ def escape_request_line(piece: bytes, line: bytes) -> tuple[bytes, bytes, bool]:
     end = piece.find(b"\n", start)
     stop = len(piece) if end < 0 else end
     part = piece[start:stop]
-    if not part.isascii():
-        escaped = b"".join(b"%%%02X" % c if c > 0x7F else bytes((c,)) for c in part)
-        piece = piece[:start] + escaped + piece[stop:]
+    # Only after the method: a method with such bytes is no token, and the parser refuses it.
+    after = 0 if b" " in line else part.find(b" ")
+    if after >= 0 and not part[after:].isascii():
+        escaped = b"".join(b"%%%02X" % c if c > 0x7F else bytes((c,)) for c in part[after:])
+        piece = piece[: start + after] + escaped + piece[stop:]
     return piece, line + part, end >= 0
 
 

@@ -275,7 +275,9 @@ class ProxyHandler:
         deadline = Deadline.start(
             deps.clock.monotonic(), route.timeout, parse_timeout_ms(_s(timeout_ms))
         )
-        key = request.headers.get("Idempotency-Key")
+        # The key as it goes upstream: one the client named in Connection (hop-by-hop, so
+        # dropped) is no key, and a POST without one is not resent.
+        key = next((v for k, v in shared if k.lower() == b"idempotency-key"), None)
         exchange = Exchange(
             route,
             method,
@@ -286,7 +288,7 @@ class ProxyHandler:
             replayable,
             edge,
             deadline,
-            key is not None and key.strip() != "",
+            key is not None and key.strip() != b"",
             span,
             upgrade is not None,
         )

@@ -63,6 +63,18 @@ def transport_peer(transport: asyncio.BaseTransport | None) -> str:
     return ""
 
 
+def _parser_switches(msg: RawRequestMessage) -> bool:
+    """Whether aiohttp's parser leaves HTTP after this request (the bytes after it are kept
+    for a tunnel, or parsed again by aiohttp itself if none opens): a ``websocket`` upgrade or
+    CONNECT, and nothing else. Any other ``Upgrade`` (h2c...) stays HTTP to the parser, so the
+    framing goes on cutting: fed together with the request's body, a request pipelined after
+    it was dropped by the parser's pause at the end of the upgrade request."""
+    if msg.method == "CONNECT":
+        return True
+    value = msg.headers.get("Upgrade", "")
+    return msg.upgrade and value.isascii() and value.lower() == "websocket"
+
+
 class TunnelEnd(Protocol):
     """What a tunnel (proxy/tunnel.py) hears of the client connection it took over."""
 
@@ -169,7 +181,7 @@ class GuardedRequestHandler(RequestHandler):
                         int(value) if value is not None and value.isdigit() else 0,
                         msg.chunked,
                         msg.should_close,
-                        msg.upgrade,
+                        _parser_switches(msg),
                     )
                 else:
                     framing.refused()

@@ -33,6 +33,7 @@ class Constraints:
     body_replayable: bool = True  # body was buffered (<= max_body_bytes)
     edge_owned: bool = False  # a trusted upstream tier already owns retries
     killed: bool = False  # a kill switch covers this route
+    once: bool = False  # sent once whatever comes back (an upgrade: a protocol switch)
 
     # An explicit __init__: mypyc compiles it, where the one @dataclass generates stays
     # interpreted (~3,000 instructions per object made, against ~300). One is made per sequence.
@@ -42,11 +43,13 @@ class Constraints:
         body_replayable: bool = True,
         edge_owned: bool = False,
         killed: bool = False,
+        once: bool = False,
     ) -> None:
         self.may_resend = may_resend
         self.body_replayable = body_replayable
         self.edge_owned = edge_owned
         self.killed = killed
+        self.once = once
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +96,8 @@ def decide(
     if attempt >= policy.attempts:
         return _STOP[Fate.EXHAUSTED]
     untouched = nothing_reached_upstream(outcome)
+    if not untouched and constraints.once:
+        return _STOP[Fate.NOT_RETRYABLE]
     if not untouched and not constraints.may_resend:
         return _STOP[Fate.NON_IDEMPOTENT]
     if not untouched and not constraints.body_replayable:
