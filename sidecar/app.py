@@ -63,8 +63,18 @@ class DrainingRunner(web.ServerRunner):
     async def cleanup(self) -> None:
         # aiohttp keeps the value in BaseRunner._shutdown_timeout (its only setting for it)
         # and reads it in cleanup(); there is no public setter.
-        self._shutdown_timeout = self._drain_timeout()
-        await super().cleanup()
+        drain = self._shutdown_timeout = self._drain_timeout()
+        server = self.server
+        cut = (
+            asyncio.get_running_loop().call_later(drain, server.cut)
+            if isinstance(server, SidecarServer)
+            else None
+        )
+        try:
+            await super().cleanup()
+        finally:
+            if cut is not None:
+                cut.cancel()
 
 
 def _close_opened(fut: asyncio.Future[DlqStore | None]) -> None:

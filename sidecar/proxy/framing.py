@@ -70,6 +70,11 @@ class RequestFraming:
         self.line_done = False  # the current head's request line has been fed whole
 
     @property
+    def in_body(self) -> bool:
+        """The next bytes belong to the body of the request being received."""
+        return not (self.closed or self.passthrough) and bool(self._body_left or self._chunked)
+
+    @property
     def in_request_line(self) -> bool:
         """The next bytes belong to a request line (or the empty lines before one)."""
         return not (

@@ -98,6 +98,7 @@ class GuardedRequestHandler(RequestHandler):
         self._framing = RequestFraming()
         self._held = b""  # bytes read while the parser kept some of its own (body reader full)
         self._chunked_open = False  # the last head's chunked body has not ended yet
+        self.draining = False  # the listener is shutting down (``SidecarServer.pre_shutdown``)
         self._line = b""  # the request line being received, as sent
         self._peer = ""  # the client's address, read once per connection
         self.tunnel: TunnelEnd | None = None  # set while an upgraded connection is relayed
@@ -137,6 +138,8 @@ class GuardedRequestHandler(RequestHandler):
             return
         framing = self._framing
         while data:
+            if self.draining and not framing.in_body:
+                return  # a drain: the body of the request in flight still comes in, no new one
             if self._reading_paused and not framing.passthrough:
                 # The parser keeps the rest of its last input until the body reader has
                 # room: what it made of it is not known yet, so nothing more is cut now.
@@ -207,7 +210,17 @@ class GuardedRequestHandler(RequestHandler):
             and (last is None or last.is_eof())
         )
         before = len(self._messages)
-        super().data_received(data)
+        if self.draining and self._framing.in_body:
+            # aiohttp reads nothing once a connection is closing, the body of the request in
+            # flight included: that request would wait out the drain for bytes that never come.
+            closing = self._close, self._force_close
+            self._close = self._force_close = False
+            try:
+                super().data_received(data)
+            finally:
+                self._close, self._force_close = closing
+        else:
+            super().data_received(data)
         if len(self._messages) == before:
             if starts_head and not self._framing.closed and self.transport is not None:
                 # The head is not complete in this read: it has header_timeout from now. (A
@@ -380,3 +393,20 @@ class SidecarServer(web.Server):
 
     def __call__(self) -> GuardedRequestHandler:
         return GuardedRequestHandler(self, loop=self._loop, **self._kwargs)
+
+    def pre_shutdown(self) -> None:
+        for conn in self.connections:
+            if isinstance(conn, GuardedRequestHandler):
+                conn.draining = True
+        super().pre_shutdown()
+
+    def cut(self) -> None:
+        """The drain is over: every request still being handled is cancelled (its scopes give
+        back what they hold). aiohttp's own shutdown waits its timeout for a request to end,
+        then cancels only the request's body and waits the same time again: a handler waiting
+        on the upstream or relaying a tunnel does not notice, and the process outlived its
+        drain_timeout twice."""
+        for conn in self.connections:
+            task = conn._task_handler
+            if task is not None and not task.done():
+                task.cancel()
