@@ -8,6 +8,7 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -101,19 +102,41 @@ def rollback_policy(up_url: str, new_url: str, extra: str = "") -> str:
     )
 
 
-def _fail_once_applied(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+class _StatesThatFailOnce:
+    """The sidecar's route states, whose next ``sync`` fails once after it has run whole (the
+    kept route got its new breaker policy, the new route its state). A wrapper on the
+    interpreted ``Sidecar`` rather than a patch of ``engine.routestate``: compiled with mypyc
+    (CI's second pass), that module binds its globals and a patched name would never be
+    called."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        self._failed = False
+
+    def sync(self, config: Any) -> None:
+        self._real.sync(config)
+        if not self._failed:
+            self._failed = True
+            raise ValueError("year 10000 is out of range")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _fail_once_applied(monkeypatch: pytest.MonkeyPatch, where: str, side: Any) -> None:
     """A fault while applying: ``late`` when the audit line of the new file switches is
     written (the first finding's own failure: the instant could not be shown), after the
-    store swapped and the switches were replaced; ``early`` when the new route's state is
-    built, after the kept route got its new breaker policy."""
+    store swapped and the switches were replaced; ``early`` right after the route states
+    were synced to the new config (the first step of applying it)."""
     from sidecar.admin import killswitch
-    from sidecar.engine import routestate
 
     def fail(*args: object, **kwargs: object) -> object:
         raise ValueError("year 10000 is out of range")
 
-    target = killswitch if where == "late" else routestate
-    monkeypatch.setattr(target, "iso" if where == "late" else "EndpointSet", fail)
+    if where == "late":
+        monkeypatch.setattr(killswitch, "iso", fail)
+    else:
+        monkeypatch.setattr(side, "states", _StatesThatFailOnce(side.states))
 
 
 @pytest.mark.parametrize("where", ["late", "early"])
@@ -136,7 +159,7 @@ async def test_a_failure_while_applying_rolls_back_and_is_reported_like_a_bad_fi
     breaker = side.states.get("main").breaker.policy
     switch = '  - {scope: global, reason: "INC-9", until: "2099-01-01T00:00:00Z"}\n'
     cfg.write_text(rollback_policy(up.url, other.url, "killswitches:\n" + switch))
-    _fail_once_applied(monkeypatch, where)
+    _fail_once_applied(monkeypatch, where, side)
 
     async with client.post(admin + "/config/reload") as resp:
         assert resp.status == 422, await resp.text()
