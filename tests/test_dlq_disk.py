@@ -181,6 +181,30 @@ async def test_a_dlq_file_deleted_while_running_is_written_again_before_anything
         assert again.terminate() == 0
 
 
+async def test_a_dlq_file_deleted_then_a_stop_before_any_check_keeps_every_record(
+    upstream_factory, tmp_path
+):
+    """``rm dlq.sqlite3`` and then SIGTERM before the writer's next check (every 10 s, or the
+    next write): the deleted file was closed as it was, and every acknowledged record went
+    with it. The writer checks the file once more before it closes it, and writes it again."""
+    up = await upstream_factory(reply(503))
+    db = tmp_path / "data" / "dlq.sqlite3"
+    port, admin_port = free_port(), free_port()
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(process_yaml(up.url, db, port, admin_port))
+    proc = SidecarProcess(cfg)
+    proc.start()
+    try:
+        await proc.wait_port(port, admin_port)
+        async with aiohttp.ClientSession() as s:
+            acked = await store_writes(s, port, 5)
+        db.unlink()  # the careless operator; its -wal and -shm stay
+    finally:
+        assert proc.terminate() == 0
+    assert "was deleted while in use" in proc.stderr()
+    assert held(db) == acked
+
+
 async def test_a_dlq_file_replaced_while_running_is_not_overwritten_and_acks_stop(tmp_path):
     """Another file put at the path (a restored backup, say) is not ours to overwrite or
     merge into: the DLQ stops acknowledging (unavailable) and leaves both files as they are."""

@@ -121,7 +121,17 @@ class GroupWriter:
                 if stop:
                     return
         finally:
+            self._last_check()
             self._conn.close()
+
+    def _last_check(self) -> None:
+        """Before the connection closes (a shutdown): the file at the path must still be the
+        one written to. Deleted since the last check, it is written again now: closing a
+        deleted file would lose every record it holds, acknowledged ones included."""
+        try:
+            self._conn = self._verify(self._conn)
+        except (DlqUnavailable, sqlite3.Error, OSError) as exc:
+            log.error("DLQ file check at shutdown failed: %s", exc)
 
     def _safe_refresh(self) -> None:
         try:
