@@ -17,27 +17,8 @@ import aiohttp
 from aiohttp import web
 
 from tests.difftools import stop, wait_http
-from tests.proc import SidecarProcess, free_port
-
-
-async def shipped_defaults_sidecar(tmp_path: Path, upstream: str) -> tuple[SidecarProcess, int]:
-    """The real process with nothing but its listeners and one route: every policy key is the
-    shipped default."""
-    port, admin = free_port(), free_port()
-    cfg = tmp_path / "sidecar.yaml"
-    cfg.write_text(
-        f'version: 1\nlisten: "127.0.0.1:{port}"\nadmin: {{listen: "127.0.0.1:{admin}"}}\n'
-        f'dlq: {{path: "{tmp_path / "dlq.sqlite3"}"}}\n'
-        f'routes:\n  - name: app\n    upstream: "{upstream}"\n'
-    )
-    proc = SidecarProcess(cfg)
-    proc.start()
-    try:
-        await proc.wait_port(port, admin)
-    except BaseException:
-        proc.terminate()
-        raise
-    return proc, port
+from tests.proc import free_port
+from tests.threeways import shipped_defaults_sidecar
 
 
 def start_single_worker_app(port: int) -> subprocess.Popen[bytes]:
