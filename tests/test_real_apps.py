@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -16,29 +14,10 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from tests.difftools import stop, wait_http
+from tests.difftools import stop
 from tests.proc import free_port
+from tests.realapp import start_single_worker_app
 from tests.threeways import shipped_defaults_sidecar
-
-
-def start_single_worker_app(port: int) -> subprocess.Popen[bytes]:
-    """tests/realapp.py under gunicorn's defaults: one sync worker, one request at a time."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "--bind",
-            f"127.0.0.1:{port}",
-            "--log-level",
-            "warning",
-            "tests.realapp:app",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    wait_http(port, "/count", proc, "gunicorn")
-    return proc
 
 
 async def test_slow_handlers_of_a_single_worker_app_run_once_each(tmp_path: Path) -> None:

@@ -74,8 +74,9 @@ async def front(way: str, app_port: int, tmp: Path) -> AsyncIterator[int]:
         root = make_tmp()  # readable by nginx's workers (nobody, when the tests run as root)
         # No body limit: nginx in front of a git or S3 server is configured so (GitLab's
         # bundled nginx: client_max_body_size 0); its 1 MiB default would refuse the push.
+        # Room for hundreds of long-polls (each holds a client and an upstream connection).
         try:
-            ngx = start_nginx_proxy(port, app_port, app_port, root, max_body="0")
+            ngx = start_nginx_proxy(port, app_port, app_port, root, max_body="0", connections=4096)
             try:
                 yield port
             finally:
