@@ -1,6 +1,7 @@
-"""git over smart HTTP: dulwich's WSGI app (the bare repository ``$GITAPP_ROOT/repo.git``) under gunicorn's threaded worker, counting what it handled; and the
-workload, a ``git push`` of a repository with a 20 MiB blob, then a ``git clone`` of it, with
-the real ``git`` binary if there is one, else dulwich's own client."""
+"""git over smart HTTP: dulwich's WSGI app (the bare repository ``$GITAPP_ROOT/repo.git``)
+under gunicorn's threaded worker, counting what it handled; and the workload, a ``git push``
+of a repository with a 20 MiB blob, then a ``git clone`` of it, with the real ``git`` binary
+if there is one, else dulwich's own client."""
 
 from __future__ import annotations
 
