@@ -6,7 +6,8 @@
 
 Real processes on loopback: a fault-injecting upstream (bench/faultd.py), and in front of it,
 one after the other, nothing ("direct"), nginx, HAProxy and retry-sidecar with its shipped
-defaults; the same open-loop client load for each. The upstream's faults are a deterministic
+defaults (with --adaptive also "sidecar+adaptive": a route that turns hedging and the adaptive
+concurrency limit on); the same open-loop client load for each. The upstream's faults are a deterministic
 function of (request id, attempt number as the upstream counts arrivals), so every product
 meets the same pattern however it retries. Three-tier rows chain proxy -> app -> proxy -> app
 -> proxy -> upstream, the apps being relays that propagate the retry headers as an
@@ -264,9 +265,14 @@ backend be
 
 
 SIDECAR_SET: list[str] = []  # --sidecar-set: extra keys under defaults (tuning runs only)
+# --adaptive: the column of a route that turns on everything that is opt-in and adaptive
+ADAPTIVE = "sidecar+adaptive"
+ADAPTIVE_ROUTE = ("hedge: {enabled: true}", "bulkhead: {adaptive: true}")
 
 
-def sidecar(procs: Procs, name: str, up: int, sc: Scenario) -> int:
+def sidecar(
+    procs: Procs, name: str, up: int, sc: Scenario, route_keys: tuple[str, ...] = ()
+) -> int:
     port, admin = free_port(), free_port()
     conf = procs.workdir / f"{name}.yaml"
     lines = []
@@ -282,13 +288,17 @@ dlq: {{path: "{procs.workdir / name}.dlq"}}
 {defaults}routes:
   - name: r
     upstream: "http://127.0.0.1:{up}"
-""")
+""" + "".join(f"    {k}\n" for k in route_keys))
     cmd = [sys.executable, "-m", "sidecar", "run", "--config", str(conf), "--log-level", "warning"]
     procs.start(name, cmd, port)
     return port
 
 
-PROXY = {"nginx": nginx, "haproxy": haproxy, "retry-sidecar": sidecar}
+def sidecar_adaptive(procs: Procs, name: str, up: int, sc: Scenario) -> int:
+    return sidecar(procs, name, up, sc, ADAPTIVE_ROUTE)
+
+
+PROXY = {"nginx": nginx, "haproxy": haproxy, "retry-sidecar": sidecar, ADAPTIVE: sidecar_adaptive}
 
 
 def build_chain(procs: Procs, product: str, bottom: int, sc: Scenario) -> int:
@@ -587,7 +597,15 @@ def main() -> None:
         help="a YAML line added under retry-sidecar's defaults (to measure other settings; "
         "the table is only the shipped defaults without it), e.g. 'budget: {ratio: 0.5}'",
     )
+    ap.add_argument(
+        "--adaptive",
+        action="store_true",
+        help=f"add a column '{ADAPTIVE}': retry-sidecar with a route that turns on hedging and "
+        "the adaptive concurrency limit (hedge.enabled, bulkhead.adaptive; both opt-in)",
+    )
     args = ap.parse_args()
+    if args.adaptive and ADAPTIVE not in args.products.split(","):
+        args.products += "," + ADAPTIVE
     SIDECAR_SET.extend(args.sidecar_set)
     check_tools()
     import uvloop

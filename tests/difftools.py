@@ -764,12 +764,12 @@ worker_processes 1;
 daemon off;
 pid {root}/nginx.pid;
 error_log {root}/error.log warn;
-events {{ worker_connections 256; }}
+events {{ worker_connections {connections}; }}
 http {{
   access_log off;
   client_body_temp_path {root}/cb; proxy_temp_path {root}/pt; fastcgi_temp_path {root}/ft;
   uwsgi_temp_path {root}/ut; scgi_temp_path {root}/st;
-  client_max_body_size 16m;
+  client_max_body_size {max_body};
   keepalive_timeout 30s;
   server {{
     listen 127.0.0.1:{port};
@@ -790,12 +790,30 @@ http {{
 """
 
 
-def start_nginx_proxy(port: int, upstream: int, raw: int, root: Path) -> subprocess.Popen[bytes]:
+def start_nginx_proxy(
+    port: int,
+    upstream: int,
+    raw: int,
+    root: Path,
+    max_body: str = "16m",
+    connections: int = 256,
+) -> subprocess.Popen[bytes]:
     """nginx as a reverse proxy in the sidecar's place, in front of ``upstream`` (``raw`` for
-    targets under /raw/)."""
+    targets under /raw/). ``max_body``: its ``client_max_body_size`` ("0": no limit, as a git
+    or package server behind nginx is configured); ``connections``: its worker_connections
+    (a proxied request holds two)."""
     root.mkdir(parents=True, exist_ok=True)
     conf = root / "nginx.conf"
-    conf.write_text(NGINX_PROXY_CONF.format(root=root, port=port, upstream=upstream, raw=raw))
+    conf.write_text(
+        NGINX_PROXY_CONF.format(
+            root=root,
+            port=port,
+            upstream=upstream,
+            raw=raw,
+            max_body=max_body,
+            connections=connections,
+        )
+    )
     proc = subprocess.Popen(
         ["nginx", "-c", str(conf), "-p", str(root)],
         stdout=subprocess.DEVNULL,

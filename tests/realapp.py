@@ -5,6 +5,8 @@ many requests a proxy really made it run."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -31,3 +33,25 @@ def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[byte
         body = b"done"
     start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
     return [body]
+
+
+def start_single_worker_app(port: int) -> subprocess.Popen[bytes]:
+    """This app under gunicorn's defaults: one sync worker, one request at a time."""
+    from tests.difftools import wait_http  # not in gunicorn's worker, which imports this module
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--log-level",
+            "warning",
+            "tests.realapp:app",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    wait_http(port, "/count", proc, "gunicorn")
+    return proc

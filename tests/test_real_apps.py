@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -16,48 +14,10 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from tests.difftools import stop, wait_http
-from tests.proc import SidecarProcess, free_port
-
-
-async def shipped_defaults_sidecar(tmp_path: Path, upstream: str) -> tuple[SidecarProcess, int]:
-    """The real process with nothing but its listeners and one route: every policy key is the
-    shipped default."""
-    port, admin = free_port(), free_port()
-    cfg = tmp_path / "sidecar.yaml"
-    cfg.write_text(
-        f'version: 1\nlisten: "127.0.0.1:{port}"\nadmin: {{listen: "127.0.0.1:{admin}"}}\n'
-        f'dlq: {{path: "{tmp_path / "dlq.sqlite3"}"}}\n'
-        f'routes:\n  - name: app\n    upstream: "{upstream}"\n'
-    )
-    proc = SidecarProcess(cfg)
-    proc.start()
-    try:
-        await proc.wait_port(port, admin)
-    except BaseException:
-        proc.terminate()
-        raise
-    return proc, port
-
-
-def start_single_worker_app(port: int) -> subprocess.Popen[bytes]:
-    """tests/realapp.py under gunicorn's defaults: one sync worker, one request at a time."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "--bind",
-            f"127.0.0.1:{port}",
-            "--log-level",
-            "warning",
-            "tests.realapp:app",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    wait_http(port, "/count", proc, "gunicorn")
-    return proc
+from tests.difftools import stop
+from tests.proc import free_port
+from tests.realapp import start_single_worker_app
+from tests.threeways import shipped_defaults_sidecar
 
 
 async def test_slow_handlers_of_a_single_worker_app_run_once_each(tmp_path: Path) -> None:
