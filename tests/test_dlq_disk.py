@@ -12,7 +12,7 @@ import aiohttp
 from tests.conftest import reply
 from tests.proc import SidecarProcess, free_port
 from tests.volume import fill, small_volume
-from tests.wait import until_async
+from tests.wait import until, until_async
 
 
 def process_yaml(up_url: str, db: Path, port: int, admin_port: int) -> str:
@@ -203,6 +203,40 @@ async def test_a_dlq_file_deleted_then_a_stop_before_any_check_keeps_every_recor
         assert proc.terminate() == 0
     assert "was deleted while in use" in proc.stderr()
     assert held(db) == acked
+
+
+async def test_a_dlq_file_deleted_while_the_volume_is_full_is_written_again_once_it_has_room(
+    upstream_factory, tmp_path
+):
+    """``rm dlq.sqlite3`` while the volume is full: the copy to a new file fails. It used to
+    mark the DLQ lost for good, so the copy was never tried again -- not when space came
+    back, not before the file was closed at the stop -- and every acknowledged record was
+    gone after the restart. The copy is tried again at every check until it succeeds."""
+    up = await upstream_factory(reply(503))
+    with small_volume(tmp_path / "vol", "2m") as vol:
+        db = vol / "dlq.sqlite3"
+        port, admin_port = free_port(), free_port()
+        cfg = tmp_path / "sidecar.yaml"
+        cfg.write_text(process_yaml(up.url, db, port, admin_port))
+        proc = SidecarProcess(cfg)
+        proc.start()
+        try:
+            await proc.wait_port(port, admin_port)
+            async with aiohttp.ClientSession() as s:
+                acked = await store_writes(s, port, 8)
+            filler = fill(vol)
+            db.unlink()  # the careless operator, on a full volume
+            # The writer's periodic check (every 10 s) finds it deleted and cannot copy it.
+            await until(
+                lambda: "could not be written again" in proc.stderr(),
+                "the failed copy",
+                timeout=40,
+            )
+            filler.unlink()  # space again
+        finally:
+            assert proc.terminate() == 0
+        assert held(db) == acked
+        assert not any(".restoring" in p.name for p in vol.iterdir())  # no copy left behind
 
 
 async def test_a_dlq_file_replaced_while_running_is_not_overwritten_and_acks_stop(tmp_path):

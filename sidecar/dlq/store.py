@@ -115,6 +115,7 @@ class DlqStore:
         self.available = False
         self._file: tuple[int, int] | None = None  # (st_dev, st_ino) of the file opened
         self.recreated = 0  # times the file was found deleted and written anew (writer thread)
+        self._replaced = False  # another file was put at the path: never written to
         # Told (from the writer thread) each time the file was recreated; the app counts it.
         self.on_recreated: Callable[[], None] = lambda: None
 
@@ -229,14 +230,18 @@ class DlqStore:
         said loudly (an error line, ``dlq_file_recreated_total``); the connection to go on with
         is returned. Replaced by another file: that file is not ours to overwrite or merge
         into; the DLQ stops taking records (unavailable until a restart opens the new file).
-        Raises DlqUnavailable when nothing committed now may be acknowledged."""
-        if not self.available:
-            raise DlqUnavailable("the DLQ file was replaced or lost; restart to open it again")
+        Raises DlqUnavailable when nothing committed now may be acknowledged. A copy that
+        failed (the volume full) is tried again at every later check -- the periodic one and
+        the last one before the file is closed -- until it succeeds: the open file is all
+        there is of the records until then."""
+        if self._replaced:
+            raise DlqUnavailable("the DLQ file was replaced while in use; restart to open it")
         now = _identity(self.path)
         if now == self._file:
             return conn
         if now is not None:
             self.available = False
+            self._replaced = True
             log.error(
                 "DLQ file %s was replaced by another file while in use; the DLQ takes no more "
                 "records until a restart opens it (the records it held stay in the open file "
@@ -255,6 +260,7 @@ class DlqStore:
             )
             raise DlqUnavailable(f"the DLQ file was deleted, not recreated: {exc}") from None
         self.recreated += 1
+        self.available = True  # a copy that failed earlier left it unavailable meanwhile
         self.on_recreated()
         log.error(
             "DLQ file %s was deleted while in use; every record it held was written to a new "
@@ -271,16 +277,18 @@ class DlqStore:
         for suffix in ("", "-journal", *schema.SUFFIXES[1:]):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp + suffix)
-        schema.prepare_private_file(tmp)
-        copy = sqlite3.connect(tmp)
         try:
-            old.backup(copy)
-        finally:
-            copy.close()
-        try:
+            schema.prepare_private_file(tmp)
+            copy = sqlite3.connect(tmp)
+            try:
+                old.backup(copy)
+            finally:
+                copy.close()
             os.link(tmp, self.path)  # never over a file someone put there meanwhile
         finally:
-            os.unlink(tmp)
+            for suffix in ("", "-journal", *schema.SUFFIXES[1:]):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp + suffix)
         _sync_directory(self.path)
         with self._read_lock:
             if self._reader is not None:
