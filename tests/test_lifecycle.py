@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from aiohttp import web
 
 from tests.conftest import reply, routes_yaml
 from tests.proc import SidecarProcess, free_port
-from tests.wait import until
+from tests.wait import until, until_async
 
 
 def process_yaml(up_url: str, port: int, admin_port: int, extra: str = "", top: str = "") -> str:
@@ -177,3 +178,64 @@ async def test_kill_switch_does_not_survive_a_restart(upstream_factory, tmp_path
                 assert (await r.json())["switches"] == []
         finally:
             proc.terminate()
+
+
+async def test_the_cli_reaches_an_admin_on_ipv6_any_and_never_through_an_http_proxy(
+    upstream_factory, tmp_path
+):
+    """``admin.listen: "[::]:P"`` is bound IPv6-only: the CLI turned ``::`` into 127.0.0.1 and
+    reported a healthy sidecar dead (a container health check would restart it). And with
+    ``http_proxy`` set, urllib sent the CLI's calls -- the admin token with them -- to the
+    proxy, even for a loopback address. The CLI goes to ``[::1]``, directly."""
+    from tests.rawhttp import raw_server, read_head
+
+    up = await upstream_factory(reply(200))
+    port, admin = free_port(), free_port()
+    text = process_yaml(up.url, port, admin).replace(
+        f'admin: {{listen: "127.0.0.1:{admin}"}}', f'admin: {{listen: "[::]:{admin}"}}'
+    )
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(text)
+    proc = SidecarProcess(cfg, env={"RETRY_SIDECAR_ADMIN_TOKEN": "secret-token"})
+    proc.start()
+    proxied: list[bytes] = []
+
+    async def record(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        proxied.append(await read_head(r))
+        w.write(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        await w.drain()
+        w.close()
+
+    try:
+        await proc.wait_port(port)
+
+        async def admin_listens() -> bool:
+            try:
+                _, w = await asyncio.open_connection("::1", admin)
+            except OSError:
+                return False
+            w.close()
+            return True
+
+        await until_async(admin_listens, "the admin listener on [::1]")
+        async with raw_server(record) as proxy_port:
+            env = {
+                **os.environ,
+                "http_proxy": f"http://127.0.0.1:{proxy_port}",
+                "HTTP_PROXY": f"http://127.0.0.1:{proxy_port}",
+                "no_proxy": "",
+                "RETRY_SIDECAR_ADMIN_TOKEN": "secret-token",
+            }
+            for verb in (["healthcheck"], ["killswitch", "list"]):
+                res = await asyncio.to_thread(
+                    subprocess.run,
+                    [sys.executable, "-m", "sidecar", *verb, "--config", str(cfg)],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                    env=env,
+                )
+                assert res.returncode == 0, (verb, res.stdout, res.stderr)
+        assert proxied == []
+    finally:
+        assert proc.terminate() == 0

@@ -11,6 +11,11 @@ from typing import Any
 
 from sidecar.config.model import Config
 
+# Never through an HTTP proxy: ``http_proxy`` in the environment would otherwise get the admin
+# token and the pod's own admin calls (urllib honours it even for 127.0.0.1; kubectl and other
+# Go clients never proxy a loopback address). The admin API is reached directly or not at all.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
 
 @dataclass(frozen=True)
 class AdminTarget:
@@ -27,8 +32,9 @@ def target_from(config: Config | None, admin_url: str | None) -> AdminTarget:
     if config is None:
         raise ValueError("no admin address: give --admin URL or a readable --config")
     host = config.admin.listen.host
-    if host in ("0.0.0.0", "::"):
-        host = "127.0.0.1"
+    # A wildcard listener is reached on this host's loopback of the same family: ``[::]`` is
+    # bound IPv6-only (as nginx's ``listen [::]``), so 127.0.0.1 would find nothing there.
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     if ":" in host:
         host = f"[{host}]"
     return AdminTarget(f"http://{host}:{config.admin.listen.port}", token)
@@ -48,7 +54,7 @@ def call(
     if target.token:
         req.add_header("Authorization", f"Bearer {target.token}")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with _DIRECT.open(req, timeout=timeout) as resp:
             raw = resp.read()
             status = resp.status
     except urllib.error.HTTPError as exc:
