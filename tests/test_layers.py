@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 SIDECAR = ROOT / "sidecar"
 
@@ -155,10 +153,6 @@ def test_no_import_cycle_between_modules():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DlqStore, Redrive (config/model.py and dlq/), IllegalTransition (breaker, states)",
-)
 def test_no_class_name_is_defined_twice():
     seen: dict[str, list[str]] = {}
     for path in modules().values():
