@@ -17,7 +17,7 @@ from sidecar.admin.killswitch import KillSwitch, apply_file
 from sidecar.admin.listener import AdminRunner
 from sidecar.admin.page import PageDeps, page_routes
 from sidecar.admin.rates import RateSampler
-from sidecar.admin.server import AdminDeps, ExtraRoute, build_admin_app
+from sidecar.admin.server import AdminDeps, build_admin_app
 from sidecar.admin.snapshot import StatusSources
 from sidecar.config.model import Config, Route
 from sidecar.config.store import ConfigStore
@@ -29,6 +29,7 @@ from sidecar.dlq.reopen import reopen_delay
 from sidecar.engine.resolve import Resolver
 from sidecar.engine.routestate import RouteState, RouteStates
 from sidecar.heaptrim import HeapTrimmer
+from sidecar.jsonapi import ExtraRoute
 from sidecar.lifecycle import Lifecycle
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.handler import ProxyHandler

@@ -8,7 +8,14 @@ from hypothesis import strategies as st
 
 from sidecar.config.model import BreakerPolicy
 from sidecar.core import Verdict
-from sidecar.retry.breaker import _LEGAL, Admitted, Breaker, IllegalTransition, Rejected, State
+from sidecar.retry.breaker import (
+    _LEGAL,
+    Admitted,
+    Breaker,
+    IllegalBreakerTransition,
+    Rejected,
+    State,
+)
 
 POLICY = BreakerPolicy(
     failure_ratio=0.5,
@@ -206,9 +213,9 @@ def test_switching_it_off_by_reload_closes_an_open_breaker():
 
 def test_illegal_transitions_raise():
     b = Breaker(POLICY)
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalBreakerTransition):
         b._go(State.HALF_OPEN, 0.0)
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalBreakerTransition):
         b._go(State.CLOSED, 0.0)
 
 

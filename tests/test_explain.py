@@ -14,6 +14,7 @@ from sidecar.config.parse import parse_text
 from sidecar.core import AttemptTimeout, Fate, OutcomeKind, UpstreamError
 from sidecar.engine.attempted import Attempted
 from sidecar.engine.loop import Driver, outcome_of
+from sidecar.engine.sequence import shaped
 from sidecar.retry.classify import Outcome
 from sidecar.retry.deadline import Deadline
 from sidecar.retry.decide import Constraints
@@ -108,16 +109,18 @@ class FakeAttempter:
 async def drive(route, fail):
     clock = FakeClock()
     start = clock.monotonic()
-    result = await Driver(
-        route,
-        FakeAttempter(clock, fail),
-        Deadline.start(start, route.timeout),
-        Constraints(),
-        clock,
-        _Highest(),
-        Recorder(),
-        FakeSleepGate(clock),
-    ).run()
+    result = await shaped(
+        Driver(
+            route,
+            FakeAttempter(clock, fail),
+            Deadline.start(start, route.timeout),
+            Constraints(),
+            clock,
+            _Highest(),
+            Recorder(),
+            FakeSleepGate(clock),
+        )
+    )
     return result.attempts, clock.monotonic() - start
 
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from sidecar.proxy.forward import request_headers, valid_host
 from sidecar.proxy.routing import Refused, Target, request_target
-from sidecar.upstream.states import ConnState, IllegalTransition, Link, Req, Resp
+from sidecar.upstream.states import ConnState, IllegalConnTransition, Link, Req, Resp
 
 
 def test_a_clean_exchange_makes_the_connection_reusable():
@@ -32,7 +32,7 @@ def test_an_early_answer_is_never_reused():
     s.request(Req.ABANDONED)
     s.to_link(Link.MUST_CLOSE)
     assert not s.reusable
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalConnTransition):
         s.next_exchange()
 
 
@@ -64,7 +64,7 @@ def test_extra_data_after_a_complete_response_means_must_close():
     ],
 )
 def test_illegal_moves_raise(move):
-    with pytest.raises(IllegalTransition):
+    with pytest.raises(IllegalConnTransition):
         move(ConnState())
 
 

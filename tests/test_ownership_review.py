@@ -410,7 +410,7 @@ async def test_a_connection_that_goes_bad_before_its_waiter_runs_is_replaced(
     """``release`` hands a clean connection to the head waiter, which runs a loop turn later.
     In between, the loop may deliver the upstream's I/O first (uvloop polls before it runs the
     ready queue): stray bytes make the connection must-close, a FIN closes its transport.
-    Without a second look the waiter got it anyway: ``begin`` raised ``IllegalTransition`` (an
+    Without a second look the waiter got it anyway: ``begin`` raised ``IllegalConnTransition`` (an
     internal error for the client) or the request went into a closing transport. The waiter
     now drops it and connects in its slot, as ``acquire`` does with a stale idle connection."""
     async with one_connection_pool(wait_timeout=5.0) as pool:

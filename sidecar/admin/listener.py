@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from sidecar.admin.server import error
+from sidecar.jsonapi import error
 from sidecar.proxy.server import GuardedRequestHandler, SidecarServer
 
 

@@ -23,7 +23,7 @@ from sidecar.admin.fmt import when
 from sidecar.admin.formauth import FormRefused, Nonces, check_token
 from sidecar.admin.killswitch import BadRequest, audit_lift, audit_set, check_set
 from sidecar.admin.render import REFRESH_CHOICES, Notice, View
-from sidecar.admin.server import ExtraRoute, FormRoute, error, whole_number
+from sidecar.admin.server import FormRoute
 from sidecar.admin.snapshot import (
     DEFAULT_WINDOW,
     WINDOWS,
@@ -32,6 +32,7 @@ from sidecar.admin.snapshot import (
     switch_view,
     take,
 )
+from sidecar.jsonapi import ExtraRoute, error, whole_number
 
 log = logging.getLogger("sidecar.admin")
 MAX_NOTICES = 50

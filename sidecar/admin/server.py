@@ -10,11 +10,9 @@ traceback.
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
@@ -34,6 +32,7 @@ from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader
 from sidecar.core import Clock
 from sidecar.engine.routestate import RouteStates
+from sidecar.jsonapi import ExtraRoute, Handler, error, iso, loads_json
 from sidecar.lifecycle import Lifecycle
 from sidecar.telemetry.logs import RateLimit
 from sidecar.telemetry.metrics import Metrics
@@ -43,9 +42,6 @@ audit = logging.getLogger("sidecar.audit")
 
 MAX_ADMIN_BODY = 64 * 1024
 JSON_TYPE = "application/json"
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-# Extra routes other features add (the DLQ): (method, path, handler, needs_token_even_for_GET).
-ExtraRoute = tuple[str, str, Handler, bool]
 # Routes that authenticate the request themselves: (method, path, handler).
 FormRoute = tuple[str, str, Handler]
 
@@ -60,37 +56,6 @@ def local_address(request: web.Request) -> str | None:
     interface), or None."""
     sock = request.transport.get_extra_info("sockname") if request.transport else None
     return str(sock[0]) if isinstance(sock, tuple) and sock else None
-
-
-def iso(epoch: float | None) -> str | None:
-    if epoch is None:
-        return None
-    return (
-        datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-    )
-
-
-def error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
-
-
-def whole_number(raw: str | None, max_digits: int = 18) -> int | None:
-    """A query parameter as a whole number: ASCII digits only, at most ``max_digits`` of them
-    (18 stays within SQLite's and every other 64-bit integer); None otherwise. ``str.isdigit``
-    alone also accepts "²" and other digits int() refuses, and int() refuses more than
-    4,300 digits."""
-    if raw is None or not raw.isascii() or not raw.isdigit() or len(raw) > max_digits:
-        return None
-    return int(raw)
-
-
-def loads_json(raw: bytes) -> object:
-    """``json.loads``; a body nested deeper than the decoder recurses (60,000 ``[`` fit in
-    the admin body limit) is a ValueError like any other bad JSON, not a RecursionError."""
-    try:
-        return json.loads(raw)
-    except RecursionError:
-        raise ValueError("it nests too deeply") from None
 
 
 @dataclass

@@ -153,7 +153,7 @@ class UpgradePolicy:
 
 
 @dataclass(frozen=True, slots=True)
-class Redrive:
+class RedrivePolicy:
     enabled: bool = False
     interval: float = 30.0
 
@@ -165,7 +165,7 @@ class RouteDlq:
     keep_credentials: bool = False
     max_replays: int = 5
     replay_rate: float = 50.0
-    redrive: Redrive = field(default_factory=Redrive)
+    redrive: RedrivePolicy = field(default_factory=RedrivePolicy)
     # Lower-case header names never stored with a record (beyond the credentials, which
     # keep_credentials governs).
     drop_headers: frozenset[str] = frozenset()
@@ -248,7 +248,7 @@ class Admin:
 
 
 @dataclass(frozen=True, slots=True)
-class DlqStore:
+class DlqFile:
     path: str = "./data/dlq.sqlite3"
     max_records: int = 100_000
     max_bytes: int = 1024**3
@@ -309,7 +309,7 @@ class Config:
     listen: Listen
     admin: Admin
     trusted_peers: tuple[IpNetwork, ...]
-    dlq: DlqStore
+    dlq: DlqFile
     limits: Limits
     drain_timeout: float
     routes: tuple[Route, ...]

@@ -30,14 +30,14 @@ from sidecar.config.model import (
     BudgetPolicy,
     BulkheadPolicy,
     Config,
-    DlqStore,
+    DlqFile,
     HedgePolicy,
     IpNetwork,
     Limits,
     Listen,
     Match,
     PathPattern,
-    Redrive,
+    RedrivePolicy,
     RetryAfter,
     RetryOn,
     RetryPolicy,
@@ -315,7 +315,7 @@ class _Parser:
         redrive = base.redrive
         if "redrive" in raw:
             rd = self.mapping(raw["redrive"], (*path, "redrive"), ("enabled", "interval"))
-            redrive = Redrive(
+            redrive = RedrivePolicy(
                 enabled=self.field(rd, "enabled", (*path, "redrive"), _bool, redrive.enabled),
                 interval=self.field(
                     rd, "interval", (*path, "redrive"), _positive_duration, redrive.interval
@@ -403,13 +403,13 @@ class _Parser:
             top, "trusted_peers", (), _networks, tuple(_networks(list(DEFAULT_TRUSTED)))
         )
         draw = self.mapping(top.get("dlq"), ("dlq",), ("path", "max_records", "max_bytes"))
-        dlq = DlqStore(
-            path=self.field(draw, "path", ("dlq",), _non_empty_str, DlqStore().path),
+        dlq = DlqFile(
+            path=self.field(draw, "path", ("dlq",), _non_empty_str, DlqFile().path),
             max_records=self.field(
-                draw, "max_records", ("dlq",), _int_range(1, 100_000_000), DlqStore().max_records
+                draw, "max_records", ("dlq",), _int_range(1, 100_000_000), DlqFile().max_records
             ),
             max_bytes=self.field(
-                draw, "max_bytes", ("dlq",), units.parse_size, DlqStore().max_bytes
+                draw, "max_bytes", ("dlq",), units.parse_size, DlqFile().max_bytes
             ),
         )
         lraw = self.mapping(

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from sidecar.admin.server import ExtraRoute, error, iso, loads_json, whole_number
 from sidecar.dlq.errors import ClaimRefused, DlqError, RecordBusy, RecordNotFound
+from sidecar.jsonapi import ExtraRoute, error, iso, loads_json, whole_number
 
 if TYPE_CHECKING:
     # The endpoints exist before any DLQ opens; the store and replayer (and sqlite3) are

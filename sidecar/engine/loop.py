@@ -10,11 +10,13 @@ Two shapes of sequence:
 - hedged (an idempotent request with a buffered body, ``per_try_timeout: auto`` and hedging on):
   attempts race as tasks (``engine/hedging.py``); this driver decides for them: when to hedge,
   where to, whether a failure is retried.
+
+The sequence (``engine/sequence.py``) chooses the shape: hedging.py imports this module, so this
+one does not import it back.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -211,17 +213,6 @@ class Driver:
         self.kept: Attempted | None = None
         # The retry decided (its budget token taken) whose attempt has not come back yet.
         self.pending: RetrySent | None = None
-
-    def run(self) -> Coroutine[Any, Any, SequenceResult]:
-        """The coroutine that runs the sequence, in its shape: the caller awaits it directly
-        (one coroutine less per request than awaiting a wrapper that awaits it)."""
-        after = self.attempter.hedge_after()
-        if after is None or not math.isfinite(after) or self.policy.attempts < 2:
-            return self.one_at_a_time()
-        # Interpreted on purpose (see engine/hedging.py): concurrent attempts under cancellation.
-        from sidecar.engine.hedging import hedged
-
-        return hedged(self, after)
 
     def result(self, fate: Fate, a: Attempted | None) -> SequenceResult:
         return _result(fate, self.number, a, self.hedges, self.failed_before)

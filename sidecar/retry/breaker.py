@@ -19,7 +19,7 @@ all of it over ``ramp`` (error diffusion, so the share is exact and needs no RNG
 sequences it admitted, and closes once the ramp is over with at least ``half_open_probes`` of
 them judged. A refused sequence is told how long until it would be admitted.
 
-Any other transition is a bug and raises IllegalTransition.
+Any other transition is a bug and raises IllegalBreakerTransition.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ _LEGAL = {
 MAX_DOUBLINGS = 32
 
 
-class IllegalTransition(Exception):  # not RuntimeError: mypyc compiles this module
+class IllegalBreakerTransition(Exception):  # not RuntimeError: mypyc compiles this module
     pass
 
 
@@ -106,7 +106,7 @@ class Breaker:
     def _go(self, to: State, now: float, wall: float | None = None) -> None:
         frm = self.state
         if (frm, to) not in _LEGAL:
-            raise IllegalTransition(f"{frm.value} -> {to.value}")
+            raise IllegalBreakerTransition(f"{frm.value} -> {to.value}")
         self.state = to
         if to is State.OPEN:
             self.opened_at = now

@@ -17,7 +17,7 @@ saying whether it can still carry another exchange.
 The response side starts (IDLE -> AWAITING_HEAD) together with the request, since a response
 can begin while the request is still being written. A connection goes back to the pool only
 when both sides ended cleanly (SENT and DONE) and the link is still OPEN; ``next_exchange``
-then puts both sides back to IDLE. Every move not listed raises ``IllegalTransition``: a bug,
+then puts both sides back to IDLE. Every move not listed raises ``IllegalConnTransition``: a bug,
 never a state quietly reached.
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 from enum import Enum
 
 
-class IllegalTransition(Exception):  # not RuntimeError: mypyc compiles this module
+class IllegalConnTransition(Exception):  # not RuntimeError: mypyc compiles this module
     """A move the state machine does not allow (a bug in the caller)."""
 
 
@@ -92,14 +92,14 @@ class ConnState:
 
     def request(self, to: Req) -> None:
         if to not in _REQ[self.req]:
-            raise IllegalTransition(f"request {self.req.value} -> {to.value}")
+            raise IllegalConnTransition(f"request {self.req.value} -> {to.value}")
         if self.link is not Link.OPEN and to is Req.SENDING:
-            raise IllegalTransition(f"cannot send on a {self.link.value} connection")
+            raise IllegalConnTransition(f"cannot send on a {self.link.value} connection")
         self.req = to
 
     def response(self, to: Resp) -> None:
         if to not in _RESP[self.resp]:
-            raise IllegalTransition(f"response {self.resp.value} -> {to.value}")
+            raise IllegalConnTransition(f"response {self.resp.value} -> {to.value}")
         self.resp = to
 
     def to_link(self, to: Link) -> None:
@@ -112,16 +112,16 @@ class ConnState:
         if to is Link.MUST_CLOSE and self.link in (Link.BROKEN, Link.CLOSED):
             return
         if to not in _LINK[self.link]:
-            raise IllegalTransition(f"link {self.link.value} -> {to.value}")
+            raise IllegalConnTransition(f"link {self.link.value} -> {to.value}")
         self.link = to
 
     def begin(self) -> None:
         """A new exchange starts on this connection: IDLE -> SENDING and IDLE ->
         AWAITING_HEAD, on an OPEN link only."""
         if self.req is not Req.IDLE or self.resp is not Resp.IDLE:
-            raise IllegalTransition(f"exchange begun on a busy connection {self!r}")
+            raise IllegalConnTransition(f"exchange begun on a busy connection {self!r}")
         if self.link is not Link.OPEN:
-            raise IllegalTransition(f"cannot send on a {self.link.value} connection")
+            raise IllegalConnTransition(f"cannot send on a {self.link.value} connection")
         self.req = Req.SENDING
         self.resp = Resp.AWAITING_HEAD
 
@@ -132,6 +132,6 @@ class ConnState:
     def next_exchange(self) -> None:
         """Both sides ended cleanly: the connection may carry another exchange."""
         if not self.reusable:
-            raise IllegalTransition(f"connection not reusable: {self!r}")
+            raise IllegalConnTransition(f"connection not reusable: {self!r}")
         self.req = Req.IDLE
         self.resp = Resp.IDLE
