@@ -17,11 +17,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from sidecar.admin.origin import host_name, host_refusal, site_refusal
+from sidecar.admin.origin import form_host_refusal, host_name, host_refusal, site_refusal
 from sidecar.app import Sidecar
 from tests.conftest import reply, routes_yaml
 from tests.proc import SidecarProcess, free_port
 from tests.rawhttp import raw_request
+from tests.test_status_page import nonce_of
 
 TOKEN = "guard-test-token-7"
 FOREIGN = "rebind.attacker.example"
@@ -328,6 +329,61 @@ async def test_with_a_token_a_rebinding_page_reads_nothing_either(upstream_facto
         for verb in (("status",), ("killswitch", "list"), ("dlq", "list")):
             done = await cli(*verb, "--config", str(cfg), env=env)
             assert done.returncode == 0, (verb, done.stderr)
+    finally:
+        proc.terminate()
+
+
+def test_without_a_token_a_form_acts_for_a_loopback_host_only():
+    for host in ("127.0.0.1:15000", "[::1]:15000", "localhost", "LocalHost.:80", "127.0.0.2"):
+        assert form_host_refusal([host]) is None, host
+    for hosts in (["admin.shop.svc"], ["10.1.2.3:15000"], [], ["localhost", "localhost"]):
+        refusal = form_host_refusal(hosts)
+        assert refusal is not None and refusal.status == 403, hosts
+
+
+async def test_without_a_token_a_rebound_allowed_host_cannot_post_a_form(
+    upstream_factory, tmp_path
+):
+    """Round 3, finding 01, as it was found: no token, ``allowed_hosts`` names a host, a page
+    that has rebound that name reads the form's nonce (a GET it may) and posts the form with
+    the headers a same-origin browser sends. It was 303 and a global kill switch; now 403 and
+    nothing set. The same form on a loopback Host still acts."""
+    up = await upstream_factory(reply(200))
+    cfg, port, admin = _config(tmp_path, up.url, None)
+    cfg.write_text(
+        cfg.read_text().replace(
+            "token_env: NO_SUCH_TOKEN_VAR",
+            "token_env: NO_SUCH_TOKEN_VAR, allowed_hosts: [sidecar-admin.corp.example]",
+        )
+    )
+    proc = SidecarProcess(cfg)
+    proc.start()
+    try:
+        await proc.wait_port(port, admin)
+        base = f"http://127.0.0.1:{admin}"
+        async with aiohttp.ClientSession() as s:
+
+            async def post_form(host: str) -> int:
+                browser = {
+                    "Host": host,
+                    "Origin": f"http://{host}",
+                    "Sec-Fetch-Site": "same-origin",
+                }
+                async with s.get(base + "/ui/killswitch", headers=browser) as r:
+                    assert r.status == 200  # the allowed host still reads the page
+                    nonce = nonce_of(await r.text())
+                data = {"nonce": nonce, "scope": "global", "ttl": "24h", "reason": "rebound"}
+                async with s.post(
+                    base + "/ui/killswitch", data=data, headers=browser, allow_redirects=False
+                ) as r:
+                    return r.status
+
+            assert await post_form(f"sidecar-admin.corp.example:{admin}") == 403
+            async with s.get(base + "/killswitch") as r:
+                assert (await r.json())["switches"] == []
+            assert await post_form(f"localhost:{admin}") == 303
+            async with s.get(base + "/killswitch") as r:
+                assert [w["scope"] for w in (await r.json())["switches"]] == ["global"]
     finally:
         proc.terminate()
 

@@ -2,7 +2,8 @@
 
 JSON in and out; errors are ``{"error": "..."}`` with a 4xx. One middleware (``guard``)
 judges every request before its handler: who may talk to this listener at all (``origin``:
-the Host allow-list, no cross-site request), then the token (with one configured, every
+the Host allow-list, no cross-site request; without a token, a form post only for a loopback
+Host), then the token (with one configured, every
 non-GET call and every DLQ call needs ``Authorization: Bearer <token>``), then the body type
 (JSON bodies only as ``application/json``); and it logs a handler's exception with its
 traceback.
@@ -28,7 +29,7 @@ from sidecar.admin.killswitch import (
     audit_set,
     check_set,
 )
-from sidecar.admin.origin import Refusal, host_refusal, site_refusal
+from sidecar.admin.origin import Refusal, form_host_refusal, host_refusal, site_refusal
 from sidecar.config.model import Route
 from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader
@@ -179,9 +180,13 @@ def build_admin_app(
             listen_host,
             local_address(request),
         ) or site_refusal(request.method, request.headers)
+        form = _canonical(request) in self_checked
+        acts = request.method not in ("GET", "HEAD")
+        if refusal is None and form and acts and deps.token is None:
+            # Without a token a form acts for a loopback Host only (origin.form_host_refusal).
+            refusal = form_host_refusal(request.headers.getall("Host", []))
         if refusal is not None:
             return refuse(request, refusal)
-        form = _canonical(request) in self_checked
         needs = request.method not in ("GET", "HEAD") or _canonical(request) in token_for_get
         if (
             deps.token is not None
