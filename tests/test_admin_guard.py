@@ -465,6 +465,78 @@ async def test_the_admin_listener_cuts_a_second_unfinished_head_asyncio(
     await asyncio.wait_for(_held_connections(sc.sidecar.admin_port, 20, b"GET / HTTP/1.1\r\n"), 15)
 
 
+STALLED_FORM = (
+    b"POST /ui/killswitch HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    b"Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 60000\r\n\r\nnonce="
+)
+STALLED_PUT = (
+    b"PUT /killswitch HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    b'Content-Length: 60000\r\n%s\r\n{"sco'
+)
+
+
+async def _stalled_bodies_are_cut(port: int) -> None:
+    """Bodies that stall: a form post without the token (it travels in the body, so the body
+    must be read) and a JSON call with the token get 408 and are closed; a JSON call without
+    the token is refused before a byte of its body is read."""
+    bearer = f"Authorization: Bearer {TOKEN}\r\n".encode()
+    await asyncio.wait_for(_held_connections(port, 20, STALLED_FORM), 30)
+    await asyncio.wait_for(_held_connections(port, 5, STALLED_PUT % bearer), 30)
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        w.write(STALLED_PUT % b"")
+        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 15)
+        assert head.startswith(b"HTTP/1.1 401 "), head
+    finally:
+        w.close()
+
+
+def _body_limits_config(tmp_path: Path, up_url: str, admin: int = 0) -> str:
+    return routes_yaml(
+        up_url,
+        top_extra="limits: {body_idle_timeout: 300ms, keepalive_timeout: 60s}",
+        admin=f'admin: {{listen: "127.0.0.1:{admin}", token_env: TEST_ADMIN_TOKEN}}',
+    )
+
+
+async def test_the_admin_listener_cuts_stalled_bodies_uvloop(upstream_factory, tmp_path):
+    """Round 3, finding 06, from outside: 20 tokenless form posts whose bodies stalled were all
+    still open 15 s later (body_idle_timeout 2 s): the admin side read bodies with no deadline.
+    Now each gets 408 and is closed."""
+    up = await upstream_factory(reply(200))
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "sidecar.yaml"
+    text = _body_limits_config(tmp_path, up.url, admin)
+    cfg.write_text(text.replace('listen: "127.0.0.1:0"', f'listen: "127.0.0.1:{port}"', 1))
+    proc = SidecarProcess(cfg, env={"TEST_ADMIN_TOKEN": TOKEN})
+    proc.start()
+    try:
+        await proc.wait_port(port, admin)
+        await _stalled_bodies_are_cut(admin)
+        out = await raw_request(admin, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 5)
+        assert out.startswith(b"HTTP/1.1 200 ")
+    finally:
+        proc.terminate()
+
+
+async def test_the_admin_listener_cuts_stalled_bodies_asyncio(
+    upstream_factory, sidecar_factory, client, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("TEST_ADMIN_TOKEN", TOKEN)
+    up = await upstream_factory(reply(200))
+    sc = await sidecar_factory(_body_limits_config(tmp_path, up.url))
+    await _stalled_bodies_are_cut(sc.sidecar.admin_port)
+    # A body that arrives whole is still read by its handler.
+    switch = {"scope": "global", "ttl": "1m", "reason": "whole body"}
+    async with client.put(
+        f"http://127.0.0.1:{sc.sidecar.admin_port}/killswitch",
+        json=switch,
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    ) as resp:
+        assert resp.status == 200
+    assert [s.reason for s in sc.sidecar.kill.active(0.0)] == ["whole body"]
+
+
 # -- finding 19: audit, failed logins, handler exceptions ------------------------------------
 
 

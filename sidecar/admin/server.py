@@ -5,12 +5,14 @@ judges every request before its handler: who may talk to this listener at all (`
 the Host allow-list, no cross-site request; without a token, a form post only for a loopback
 Host), then the token (with one configured, every
 non-GET call and every DLQ call needs ``Authorization: Bearer <token>``), then the body type
-(JSON bodies only as ``application/json``); and it logs a handler's exception with its
+(JSON bodies only as ``application/json``), then reads the body (whole, within
+``limits.body_idle_timeout``: 408 otherwise); and it logs a handler's exception with its
 traceback.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -205,6 +207,10 @@ def build_admin_app(
             # preflight; application/json it never does.
             return error(415, f"admin request bodies must be {JSON_TYPE}")
         try:
+            if request.body_exists:
+                stopped = await read_body(request, deps.store.current.limits.body_idle_timeout)
+                if stopped is not None:
+                    return stopped
             return await handler(request)
         except web.HTTPException as exc:
             if exc.status >= 400:
@@ -371,6 +377,37 @@ def build_admin_app(
         self_checked.add(path)
     catch_all = r.add_route("*", "/{tail:.*}", not_found).resource
     return app
+
+
+async def closing(request: web.Request, resp: web.Response) -> web.Response:
+    """Send ``resp`` now and close the connection after it: the rest of the request's body is
+    neither read nor lingered for (aiohttp would wait up to 10 s for it otherwise)."""
+    resp.force_close()
+    try:
+        await resp.prepare(request)
+        await resp.write_eof()
+    finally:
+        request.protocol.force_close()  # closes the transport once what was written is sent
+    return resp
+
+
+async def read_body(request: web.Request, idle: float) -> web.Response | None:
+    """Read a request's whole body before its handler runs (``request.read()`` keeps it for the
+    handler), or the answer that ends the request instead. An admin body is small (at most
+    ``MAX_ADMIN_BODY``), so the whole read is bounded by ``limits.body_idle_timeout``: a client
+    that stalls gets 408 and the connection is closed, as on the proxy listener."""
+    too_large = f"admin request bodies are limited to {MAX_ADMIN_BODY} bytes"
+    if request.content_length is not None and request.content_length > MAX_ADMIN_BODY:
+        return await closing(request, error(413, too_large))
+    try:
+        async with asyncio.timeout(idle):
+            await request.read()
+    except TimeoutError:
+        stalled = f"the request body did not arrive within {idle:g} s (body_idle_timeout)"
+        return await closing(request, error(408, stalled))
+    except web.HTTPRequestEntityTooLarge:
+        return await closing(request, error(413, too_large))
+    return None
 
 
 async def _json_body(request: web.Request) -> dict[str, Any] | web.Response:
