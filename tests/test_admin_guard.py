@@ -23,6 +23,7 @@ from tests.conftest import reply, routes_yaml
 from tests.proc import SidecarProcess, free_port
 from tests.rawhttp import raw_request
 from tests.test_status_page import nonce_of
+from tests.wait import until
 
 TOKEN = "guard-test-token-7"
 FOREIGN = "rebind.attacker.example"
@@ -537,6 +538,33 @@ async def test_the_admin_listener_cuts_stalled_bodies_asyncio(
     assert [s.reason for s in sc.sidecar.kill.active(0.0)] == ["whole body"]
 
 
+async def test_clients_that_leave_mid_body_log_nothing_uvloop(upstream_factory, tmp_path):
+    """Round 3, finding 07, from outside: each client that left mid-body on the admin port
+    logged an error with a traceback (40 for 40). A client gone is not a handler failure."""
+    up = await upstream_factory(reply(200))
+    cfg, port, admin = _config(tmp_path, up.url, None)
+    proc = SidecarProcess(cfg)
+    proc.start()
+    try:
+        await proc.wait_port(port, admin)
+        assert proc.proc is not None
+        fds = Path(f"/proc/{proc.proc.pid}/fd")
+        baseline = len(list(fds.iterdir()))
+        for head in (STALLED_FORM, STALLED_PUT % b"") * 20:
+            _r, w = await asyncio.open_connection("127.0.0.1", admin)
+            w.write(head)
+            await w.drain()
+            w.close()
+            await w.wait_closed()
+        await until(lambda: len(list(fds.iterdir())) <= baseline, "the 40 connections closed")
+        out = await raw_request(admin, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 5)
+        assert out.startswith(b"HTTP/1.1 200 ")
+    finally:
+        assert proc.terminate() == 0
+    log = proc.stderr()
+    assert "Traceback" not in log and "admin call" not in log, log[-2000:]
+
+
 # -- finding 19: audit, failed logins, handler exceptions ------------------------------------
 
 
@@ -610,3 +638,9 @@ async def test_an_admin_handler_exception_is_a_500_logged_once_with_its_tracebac
     logged = [r for r in caplog.records if r.exc_info and "stats went wrong" in str(r.exc_info[1])]
     assert len(logged) == 1 and logged[0].name == "sidecar.admin"
     assert "GET /stats" in logged[0].getMessage()
+    # Round 3, finding 07: at most 10 such lines a minute, like every other error path.
+    for _ in range(14):
+        async with client.get(f"http://127.0.0.1:{sc.sidecar.admin_port}/stats") as resp:
+            assert resp.status == 500
+    logged = [r for r in caplog.records if r.exc_info and "stats went wrong" in str(r.exc_info[1])]
+    assert len(logged) == 10

@@ -7,7 +7,7 @@ Host), then the token (with one configured, every
 non-GET call and every DLQ call needs ``Authorization: Bearer <token>``), then the body type
 (JSON bodies only as ``application/json``), then reads the body (whole, within
 ``limits.body_idle_timeout``: 408 otherwise); and it logs a handler's exception with its
-traceback.
+traceback, at most 10 a minute (a client gone is no failure: not logged).
 """
 
 from __future__ import annotations
@@ -156,6 +156,7 @@ def build_admin_app(
     # admin.listen is bound at start (a change needs a restart): the address it names.
     listen_host = deps.store.current.admin.listen.host
     refusal_log = RateLimit(per_interval=10, interval=60.0)
+    failure_log = RateLimit(per_interval=10, interval=60.0)
 
     def refuse(request: web.Request, refusal: Refusal) -> web.Response:
         if refusal_log.allow():
@@ -216,8 +217,20 @@ def build_admin_app(
             if exc.status >= 400:
                 return error(exc.status, exc.reason)
             raise
+        except ConnectionError:
+            # The client left (a reset, or aiohttp's ClientConnectionResetError while the body
+            # was read or the answer written): not a failure of the handler, nothing to log.
+            request.protocol.force_close()
+            return error(400, "the client closed the connection")
         except Exception:
-            log.exception("admin call %s %s failed", request.method, request.path)
+            if failure_log.allow():
+                suppressed, failure_log.suppressed = failure_log.suppressed, 0
+                log.exception(
+                    "admin call %s %s failed (%d such failures not logged before this one)",
+                    request.method,
+                    request.path,
+                    suppressed,
+                )
             return error(500, "the admin call failed; the sidecar's log has the traceback")
 
     async def healthz(request: web.Request) -> web.Response:
