@@ -17,11 +17,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from sidecar.admin.origin import host_name, host_refusal, site_refusal
+from sidecar.admin.origin import form_host_refusal, host_name, host_refusal, site_refusal
 from sidecar.app import Sidecar
 from tests.conftest import reply, routes_yaml
 from tests.proc import SidecarProcess, free_port
 from tests.rawhttp import raw_request
+from tests.test_status_page import nonce_of
+from tests.wait import until
 
 TOKEN = "guard-test-token-7"
 FOREIGN = "rebind.attacker.example"
@@ -332,6 +334,61 @@ async def test_with_a_token_a_rebinding_page_reads_nothing_either(upstream_facto
         proc.terminate()
 
 
+def test_without_a_token_a_form_acts_for_a_loopback_host_only():
+    for host in ("127.0.0.1:15000", "[::1]:15000", "localhost", "LocalHost.:80", "127.0.0.2"):
+        assert form_host_refusal([host]) is None, host
+    for hosts in (["admin.shop.svc"], ["10.1.2.3:15000"], [], ["localhost", "localhost"]):
+        refusal = form_host_refusal(hosts)
+        assert refusal is not None and refusal.status == 403, hosts
+
+
+async def test_without_a_token_a_rebound_allowed_host_cannot_post_a_form(
+    upstream_factory, tmp_path
+):
+    """Round 3, finding 01, as it was found: no token, ``allowed_hosts`` names a host, a page
+    that has rebound that name reads the form's nonce (a GET it may) and posts the form with
+    the headers a same-origin browser sends. It was 303 and a global kill switch; now 403 and
+    nothing set. The same form on a loopback Host still acts."""
+    up = await upstream_factory(reply(200))
+    cfg, port, admin = _config(tmp_path, up.url, None)
+    cfg.write_text(
+        cfg.read_text().replace(
+            "token_env: NO_SUCH_TOKEN_VAR",
+            "token_env: NO_SUCH_TOKEN_VAR, allowed_hosts: [sidecar-admin.corp.example]",
+        )
+    )
+    proc = SidecarProcess(cfg)
+    proc.start()
+    try:
+        await proc.wait_port(port, admin)
+        base = f"http://127.0.0.1:{admin}"
+        async with aiohttp.ClientSession() as s:
+
+            async def post_form(host: str) -> int:
+                browser = {
+                    "Host": host,
+                    "Origin": f"http://{host}",
+                    "Sec-Fetch-Site": "same-origin",
+                }
+                async with s.get(base + "/ui/killswitch", headers=browser) as r:
+                    assert r.status == 200  # the allowed host still reads the page
+                    nonce = nonce_of(await r.text())
+                data = {"nonce": nonce, "scope": "global", "ttl": "24h", "reason": "rebound"}
+                async with s.post(
+                    base + "/ui/killswitch", data=data, headers=browser, allow_redirects=False
+                ) as r:
+                    return r.status
+
+            assert await post_form(f"sidecar-admin.corp.example:{admin}") == 403
+            async with s.get(base + "/killswitch") as r:
+                assert (await r.json())["switches"] == []
+            assert await post_form(f"localhost:{admin}") == 303
+            async with s.get(base + "/killswitch") as r:
+                assert [w["scope"] for w in (await r.json())["switches"]] == ["global"]
+    finally:
+        proc.terminate()
+
+
 # -- finding 18: the admin listener's head and idle limits -----------------------------------
 
 
@@ -409,6 +466,105 @@ async def test_the_admin_listener_cuts_a_second_unfinished_head_asyncio(
     await asyncio.wait_for(_held_connections(sc.sidecar.admin_port, 20, b"GET / HTTP/1.1\r\n"), 15)
 
 
+STALLED_FORM = (
+    b"POST /ui/killswitch HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    b"Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 60000\r\n\r\nnonce="
+)
+STALLED_PUT = (
+    b"PUT /killswitch HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    b'Content-Length: 60000\r\n%s\r\n{"sco'
+)
+
+
+async def _stalled_bodies_are_cut(port: int) -> None:
+    """Bodies that stall: a form post without the token (it travels in the body, so the body
+    must be read) and a JSON call with the token get 408 and are closed; a JSON call without
+    the token is refused before a byte of its body is read."""
+    bearer = f"Authorization: Bearer {TOKEN}\r\n".encode()
+    await asyncio.wait_for(_held_connections(port, 20, STALLED_FORM), 30)
+    await asyncio.wait_for(_held_connections(port, 5, STALLED_PUT % bearer), 30)
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        w.write(STALLED_PUT % b"")
+        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 15)
+        assert head.startswith(b"HTTP/1.1 401 "), head
+    finally:
+        w.close()
+
+
+def _body_limits_config(tmp_path: Path, up_url: str, admin: int = 0) -> str:
+    return routes_yaml(
+        up_url,
+        top_extra="limits: {body_idle_timeout: 300ms, keepalive_timeout: 60s}",
+        admin=f'admin: {{listen: "127.0.0.1:{admin}", token_env: TEST_ADMIN_TOKEN}}',
+    )
+
+
+async def test_the_admin_listener_cuts_stalled_bodies_uvloop(upstream_factory, tmp_path):
+    """Round 3, finding 06, from outside: 20 tokenless form posts whose bodies stalled were all
+    still open 15 s later (body_idle_timeout 2 s): the admin side read bodies with no deadline.
+    Now each gets 408 and is closed."""
+    up = await upstream_factory(reply(200))
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "sidecar.yaml"
+    text = _body_limits_config(tmp_path, up.url, admin)
+    cfg.write_text(text.replace('listen: "127.0.0.1:0"', f'listen: "127.0.0.1:{port}"', 1))
+    proc = SidecarProcess(cfg, env={"TEST_ADMIN_TOKEN": TOKEN})
+    proc.start()
+    try:
+        await proc.wait_port(port, admin)
+        await _stalled_bodies_are_cut(admin)
+        out = await raw_request(admin, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 5)
+        assert out.startswith(b"HTTP/1.1 200 ")
+    finally:
+        proc.terminate()
+
+
+async def test_the_admin_listener_cuts_stalled_bodies_asyncio(
+    upstream_factory, sidecar_factory, client, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("TEST_ADMIN_TOKEN", TOKEN)
+    up = await upstream_factory(reply(200))
+    sc = await sidecar_factory(_body_limits_config(tmp_path, up.url))
+    await _stalled_bodies_are_cut(sc.sidecar.admin_port)
+    # A body that arrives whole is still read by its handler.
+    switch = {"scope": "global", "ttl": "1m", "reason": "whole body"}
+    async with client.put(
+        f"http://127.0.0.1:{sc.sidecar.admin_port}/killswitch",
+        json=switch,
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    ) as resp:
+        assert resp.status == 200
+    assert [s.reason for s in sc.sidecar.kill.active(0.0)] == ["whole body"]
+
+
+async def test_clients_that_leave_mid_body_log_nothing_uvloop(upstream_factory, tmp_path):
+    """Round 3, finding 07, from outside: each client that left mid-body on the admin port
+    logged an error with a traceback (40 for 40). A client gone is not a handler failure."""
+    up = await upstream_factory(reply(200))
+    cfg, port, admin = _config(tmp_path, up.url, None)
+    proc = SidecarProcess(cfg)
+    proc.start()
+    try:
+        await proc.wait_port(port, admin)
+        assert proc.proc is not None
+        fds = Path(f"/proc/{proc.proc.pid}/fd")
+        baseline = len(list(fds.iterdir()))
+        for head in (STALLED_FORM, STALLED_PUT % b"") * 20:
+            _r, w = await asyncio.open_connection("127.0.0.1", admin)
+            w.write(head)
+            await w.drain()
+            w.close()
+            await w.wait_closed()
+        await until(lambda: len(list(fds.iterdir())) <= baseline, "the 40 connections closed")
+        out = await raw_request(admin, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 5)
+        assert out.startswith(b"HTTP/1.1 200 ")
+    finally:
+        assert proc.terminate() == 0
+    log = proc.stderr()
+    assert "Traceback" not in log and "admin call" not in log, log[-2000:]
+
+
 # -- finding 19: audit, failed logins, handler exceptions ------------------------------------
 
 
@@ -482,3 +638,9 @@ async def test_an_admin_handler_exception_is_a_500_logged_once_with_its_tracebac
     logged = [r for r in caplog.records if r.exc_info and "stats went wrong" in str(r.exc_info[1])]
     assert len(logged) == 1 and logged[0].name == "sidecar.admin"
     assert "GET /stats" in logged[0].getMessage()
+    # Round 3, finding 07: at most 10 such lines a minute, like every other error path.
+    for _ in range(14):
+        async with client.get(f"http://127.0.0.1:{sc.sidecar.admin_port}/stats") as resp:
+            assert resp.status == 500
+    logged = [r for r in caplog.records if r.exc_info and "stats went wrong" in str(r.exc_info[1])]
+    assert len(logged) == 10

@@ -42,3 +42,29 @@ def test_architecture_names_modules_that_exist():
     for ref in set(re.findall(r"`((?:sidecar/)?[a-z_]+/[a-z_]+\.py)`", text)):
         assert (ROOT / ref).exists() or (ROOT / "sidecar" / ref).exists(), ref
     assert "## Who owns what" in text
+
+
+def curl_commands(text: str) -> list[str]:
+    """Every curl command in a document, its backslash-continued lines joined."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    return [m.group(0) for m in re.finditer(r"\bcurl -[^\n`]*", joined)]
+
+
+def test_curl_examples_that_send_json_say_so():
+    """Round 3, finding 05: the README's kill-switch command sent its JSON with ``-d`` alone,
+    which curl labels application/x-www-form-urlencoded; the admin API answers that 415."""
+    docs = [ROOT / "README.md", ROOT / "helm/retry-sidecar/templates/NOTES.txt"]
+    docs += sorted((ROOT / "docs").glob("*.md"))
+    sending_json = [
+        (path.name, cmd)
+        for path in docs
+        for cmd in curl_commands(path.read_text())
+        if re.search(r"(-d|--data(-raw|-binary)?) +['\"]?[{\[]", cmd)
+    ]
+    assert len(sending_json) >= 3  # the README's two kill-switch commands and the chart's
+    wrong = [
+        (name, cmd)
+        for name, cmd in sending_json
+        if not re.search(r"Content-Type: *application/json|--json ", cmd, re.IGNORECASE)
+    ]
+    assert wrong == []

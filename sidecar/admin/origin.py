@@ -23,6 +23,12 @@ send requests to ``127.0.0.1:15000``. Two ways, both refused:
 
 Clients that send neither ``Origin`` nor ``Sec-Fetch-Site`` (curl, the CLI, probes,
 Prometheus) are judged by ``Host`` and the token alone.
+
+One rule more for the status page's form posts when no token is configured: nothing but the
+nonce then stands between a page and an action, and a page that has rebound a name of
+``admin.allowed_hosts`` to this listener reads the nonce like the operator's own tab does. So
+without a token a form acts only for a ``Host`` naming a loopback address or ``localhost``
+(``form_host_refusal``), names no page on the internet can rebind.
 """
 
 from __future__ import annotations
@@ -119,3 +125,19 @@ def site_refusal(method: str, headers: Mapping[str, str]) -> Refusal | None:
         if not own and not vouched:
             return Refusal(403, f"cross-origin requests are refused (Origin: {origin})")
     return None
+
+
+def form_host_refusal(hosts: list[str]) -> Refusal | None:
+    """The Host check for a status-page form post when no admin token is configured: exactly
+    one Host, naming a loopback address or ``localhost``. ``admin.allowed_hosts`` and the
+    address the connection arrived at do not count here: a name a DNS-rebinding page can
+    take over must not act without a token."""
+    name = host_name(hosts[0]) if len(hosts) == 1 else None
+    if name is not None and is_loopback(name):
+        return None
+    return Refusal(
+        403,
+        "without an admin token the status page's forms act only for a loopback Host "
+        "(127.0.0.1, [::1], localhost); configure admin.token_env to use them through "
+        "another name",
+    )

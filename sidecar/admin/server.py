@@ -2,14 +2,17 @@
 
 JSON in and out; errors are ``{"error": "..."}`` with a 4xx. One middleware (``guard``)
 judges every request before its handler: who may talk to this listener at all (``origin``:
-the Host allow-list, no cross-site request), then the token (with one configured, every
+the Host allow-list, no cross-site request; without a token, a form post only for a loopback
+Host), then the token (with one configured, every
 non-GET call and every DLQ call needs ``Authorization: Bearer <token>``), then the body type
-(JSON bodies only as ``application/json``); and it logs a handler's exception with its
-traceback.
+(JSON bodies only as ``application/json``), then reads the body (whole, within
+``limits.body_idle_timeout``: 408 otherwise); and it logs a handler's exception with its
+traceback, at most 10 a minute (a client gone is no failure: not logged).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +29,7 @@ from sidecar.admin.killswitch import (
     audit_set,
     check_set,
 )
-from sidecar.admin.origin import Refusal, host_refusal, site_refusal
+from sidecar.admin.origin import Refusal, form_host_refusal, host_refusal, site_refusal
 from sidecar.config.model import Route
 from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader
@@ -118,6 +121,7 @@ def build_admin_app(
     # admin.listen is bound at start (a change needs a restart): the address it names.
     listen_host = deps.store.current.admin.listen.host
     refusal_log = RateLimit(per_interval=10, interval=60.0)
+    failure_log = RateLimit(per_interval=10, interval=60.0)
 
     def refuse(request: web.Request, refusal: Refusal) -> web.Response:
         if refusal_log.allow():
@@ -144,9 +148,13 @@ def build_admin_app(
             listen_host,
             local_address(request),
         ) or site_refusal(request.method, request.headers)
+        form = _canonical(request) in self_checked
+        acts = request.method not in ("GET", "HEAD")
+        if refusal is None and form and acts and deps.token is None:
+            # Without a token a form acts for a loopback Host only (origin.form_host_refusal).
+            refusal = form_host_refusal(request.headers.getall("Host", []))
         if refusal is not None:
             return refuse(request, refusal)
-        form = _canonical(request) in self_checked
         needs = request.method not in ("GET", "HEAD") or _canonical(request) in token_for_get
         if (
             deps.token is not None
@@ -165,13 +173,29 @@ def build_admin_app(
             # preflight; application/json it never does.
             return error(415, f"admin request bodies must be {JSON_TYPE}")
         try:
+            if request.body_exists:
+                stopped = await read_body(request, deps.store.current.limits.body_idle_timeout)
+                if stopped is not None:
+                    return stopped
             return await handler(request)
         except web.HTTPException as exc:
             if exc.status >= 400:
                 return error(exc.status, exc.reason)
             raise
+        except ConnectionError:
+            # The client left (a reset, or aiohttp's ClientConnectionResetError while the body
+            # was read or the answer written): not a failure of the handler, nothing to log.
+            request.protocol.force_close()
+            return error(400, "the client closed the connection")
         except Exception:
-            log.exception("admin call %s %s failed", request.method, request.path)
+            if failure_log.allow():
+                suppressed, failure_log.suppressed = failure_log.suppressed, 0
+                log.exception(
+                    "admin call %s %s failed (%d such failures not logged before this one)",
+                    request.method,
+                    request.path,
+                    suppressed,
+                )
             return error(500, "the admin call failed; the sidecar's log has the traceback")
 
     async def healthz(request: web.Request) -> web.Response:
@@ -331,6 +355,37 @@ def build_admin_app(
         self_checked.add(path)
     catch_all = r.add_route("*", "/{tail:.*}", not_found).resource
     return app
+
+
+async def closing(request: web.Request, resp: web.Response) -> web.Response:
+    """Send ``resp`` now and close the connection after it: the rest of the request's body is
+    neither read nor lingered for (aiohttp would wait up to 10 s for it otherwise)."""
+    resp.force_close()
+    try:
+        await resp.prepare(request)
+        await resp.write_eof()
+    finally:
+        request.protocol.force_close()  # closes the transport once what was written is sent
+    return resp
+
+
+async def read_body(request: web.Request, idle: float) -> web.Response | None:
+    """Read a request's whole body before its handler runs (``request.read()`` keeps it for the
+    handler), or the answer that ends the request instead. An admin body is small (at most
+    ``MAX_ADMIN_BODY``), so the whole read is bounded by ``limits.body_idle_timeout``: a client
+    that stalls gets 408 and the connection is closed, as on the proxy listener."""
+    too_large = f"admin request bodies are limited to {MAX_ADMIN_BODY} bytes"
+    if request.content_length is not None and request.content_length > MAX_ADMIN_BODY:
+        return await closing(request, error(413, too_large))
+    try:
+        async with asyncio.timeout(idle):
+            await request.read()
+    except TimeoutError:
+        stalled = f"the request body did not arrive within {idle:g} s (body_idle_timeout)"
+        return await closing(request, error(408, stalled))
+    except web.HTTPRequestEntityTooLarge:
+        return await closing(request, error(413, too_large))
+    return None
 
 
 async def _json_body(request: web.Request) -> dict[str, Any] | web.Response:
