@@ -280,7 +280,8 @@ def sidecar(
         lines += ["  timeout: 3s", "  retry: {attempts: 3, per_try_timeout: 1s}"]
     lines += [f"  {x}" for x in SIDECAR_SET]
     defaults = "defaults:\n" + "\n".join(lines) + "\n" if lines else ""
-    conf.write_text(f"""version: 1
+    conf.write_text(
+        f"""version: 1
 name: {name}
 listen: "127.0.0.1:{port}"
 admin: {{listen: "127.0.0.1:{admin}"}}
@@ -288,7 +289,9 @@ dlq: {{path: "{procs.workdir / name}.dlq"}}
 {defaults}routes:
   - name: r
     upstream: "http://127.0.0.1:{up}"
-""" + "".join(f"    {k}\n" for k in route_keys))
+"""
+        + "".join(f"    {k}\n" for k in route_keys)
+    )
     cmd = [sys.executable, "-m", "sidecar", "run", "--config", str(conf), "--log-level", "warning"]
     procs.start(name, cmd, port)
     return port
