@@ -32,6 +32,17 @@ routes:
 """
 
 
+async def sidecar_on(tmp_path: Path, up_url: str, db: Path) -> tuple[SidecarProcess, int, int]:
+    """The real process with its DLQ file at ``db``, started (not yet waited for): the process,
+    its proxy port and its admin port. Its config is ``tmp_path / "sidecar.yaml"``."""
+    port, admin_port = free_port(), free_port()
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(process_yaml(up_url, db, port, admin_port))
+    proc = SidecarProcess(cfg)
+    proc.start()
+    return proc, port, admin_port
+
+
 async def metric(s: aiohttp.ClientSession, admin_port: int, name: str) -> str | None:
     """The value of one unlabelled series, None when it is absent."""
     async with s.get(f"http://127.0.0.1:{admin_port}/metrics") as resp:
@@ -146,11 +157,7 @@ async def test_a_dlq_file_deleted_while_running_is_written_again_before_anything
     on: after a restart every acknowledged record is there."""
     up = await upstream_factory(reply(503))
     db = tmp_path / "data" / "dlq.sqlite3"
-    port, admin_port = free_port(), free_port()
-    cfg = tmp_path / "sidecar.yaml"
-    cfg.write_text(process_yaml(up.url, db, port, admin_port))
-    proc = SidecarProcess(cfg)
-    proc.start()
+    proc, port, admin_port = await sidecar_on(tmp_path, up.url, db)
     try:
         await proc.wait_port(port, admin_port)
         async with aiohttp.ClientSession() as s:
@@ -167,7 +174,7 @@ async def test_a_dlq_file_deleted_while_running_is_written_again_before_anything
     assert "was deleted while in use" in proc.stderr()
     assert held(db) == before + after
     assert (db.stat().st_mode & 0o777) == 0o600
-    again = SidecarProcess(cfg)
+    again = SidecarProcess(tmp_path / "sidecar.yaml")
     again.start()
     try:
         await again.wait_port(port, admin_port)
@@ -189,11 +196,7 @@ async def test_a_dlq_file_deleted_then_a_stop_before_any_check_keeps_every_recor
     with it. The writer checks the file once more before it closes it, and writes it again."""
     up = await upstream_factory(reply(503))
     db = tmp_path / "data" / "dlq.sqlite3"
-    port, admin_port = free_port(), free_port()
-    cfg = tmp_path / "sidecar.yaml"
-    cfg.write_text(process_yaml(up.url, db, port, admin_port))
-    proc = SidecarProcess(cfg)
-    proc.start()
+    proc, port, admin_port = await sidecar_on(tmp_path, up.url, db)
     try:
         await proc.wait_port(port, admin_port)
         async with aiohttp.ClientSession() as s:
@@ -215,11 +218,7 @@ async def test_a_dlq_file_deleted_while_the_volume_is_full_is_written_again_once
     up = await upstream_factory(reply(503))
     with small_volume(tmp_path / "vol", "2m") as vol:
         db = vol / "dlq.sqlite3"
-        port, admin_port = free_port(), free_port()
-        cfg = tmp_path / "sidecar.yaml"
-        cfg.write_text(process_yaml(up.url, db, port, admin_port))
-        proc = SidecarProcess(cfg)
-        proc.start()
+        proc, port, admin_port = await sidecar_on(tmp_path, up.url, db)
         try:
             await proc.wait_port(port, admin_port)
             async with aiohttp.ClientSession() as s:
