@@ -461,30 +461,33 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def start_gunicorn(port: int) -> subprocess.Popen[bytes]:
-    """httpbin (PyPI) under gunicorn's threaded worker, keep-alive on."""
+def run_gunicorn(
+    port: int,
+    app: str,
+    *options: str,
+    ready: str,
+    what: str = "gunicorn",
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """``app`` under gunicorn with ``options`` on ``port``, once ``GET ready`` answers 200."""
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "--bind",
-            f"127.0.0.1:{port}",
-            "--worker-class",
-            "gthread",
-            "--threads",
-            "16",
-            "--keep-alive",
-            "30",
-            "--log-level",
-            "warning",
-            "httpbin:app",
+            *(sys.executable, "-m", "gunicorn", "--bind", f"127.0.0.1:{port}"),
+            *options,
+            *("--log-level", "warning", app),
         ],
+        env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
-    wait_http(port, "/status/200", proc, "gunicorn")
+    wait_http(port, ready, proc, what)
     return proc
+
+
+def start_gunicorn(port: int) -> subprocess.Popen[bytes]:
+    """httpbin (PyPI) under gunicorn's threaded worker, keep-alive on."""
+    threaded = ("--worker-class", "gthread", "--threads", "16", "--keep-alive", "30")
+    return run_gunicorn(port, "httpbin:app", *threaded, ready="/status/200")
 
 
 NGINX_CONF = """

@@ -11,14 +11,13 @@ import os
 import random
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
-from tests.difftools import wait_http
+from tests.difftools import run_gunicorn
 from tests.threeways import Tally
 from tests.wsgicount import COUNT_PATH, Counting, StartResponse, WsgiApp, read_count
 
@@ -66,27 +65,15 @@ def start(port: int, root: Path) -> subprocess.Popen[bytes]:
 
     (root / REPO).mkdir(parents=True)
     Repo.init_bare(str(root / REPO))
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "--bind",
-            f"127.0.0.1:{port}",
-            "--worker-class",
-            "gthread",
-            "--threads",
-            "8",
-            "--log-level",
-            "warning",
-            "tests.gitapp:make_app()",
-        ],
+    threaded = ("--worker-class", "gthread", "--threads", "8")
+    return run_gunicorn(
+        port,
+        "tests.gitapp:make_app()",
+        *threaded,
+        ready=COUNT_PATH,
+        what="dulwich under gunicorn",
         env={**os.environ, "GITAPP_ROOT": str(root)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
     )
-    wait_http(port, COUNT_PATH, proc, "dulwich under gunicorn")
-    return proc
 
 
 def blob() -> bytes:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -37,21 +36,6 @@ def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[byte
 
 def start_single_worker_app(port: int) -> subprocess.Popen[bytes]:
     """This app under gunicorn's defaults: one sync worker, one request at a time."""
-    from tests.difftools import wait_http  # not in gunicorn's worker, which imports this module
+    from tests.difftools import run_gunicorn  # not in gunicorn's worker, which imports this
 
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "--bind",
-            f"127.0.0.1:{port}",
-            "--log-level",
-            "warning",
-            "tests.realapp:app",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    wait_http(port, "/count", proc, "gunicorn")
-    return proc
+    return run_gunicorn(port, "tests.realapp:app", ready="/count")
