@@ -28,6 +28,18 @@ async def refuse_and_close(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> 
     await w.drain()  # and the connection closes, the body unread
 
 
+async def refuse_and_linger(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    """As nginx and gunicorn close after an early answer: the answer, then the body read away
+    until the client stops sending, so no reset can overtake the answer."""
+    await read_head(r)
+    w.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 4\r\nConnection: close\r\n\r\nnope")
+    await w.drain()
+    w.write_eof()
+    with contextlib.suppress(ConnectionError):
+        while await r.read(65536):
+            pass
+
+
 async def close_mid_upload(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
     await read_head(r)
     await r.readexactly(100_000)  # part of the body, then gone without an answer
@@ -98,14 +110,40 @@ async def sidecar_port(
 
 
 @pytest.mark.parametrize("expect", [False, True], ids=["plain", "expect-100"])
-async def test_an_early_answer_that_closes_is_relayed(sidecar_port: Runner, expect: bool):
-    async with raw_server(refuse_and_close) as upstream:
+async def test_an_early_answer_is_relayed(sidecar_port: Runner, expect: bool):
+    """An upstream that answers early and then reads the body away (lingering close, as nginx
+    and gunicorn do): its answer is relayed, every time."""
+    async with raw_server(refuse_and_linger) as upstream:
         port = await sidecar_port(upstream)
         for _ in range(TRIES):
             head, body = await upload(port, expect)
             assert head.startswith(b"HTTP/1.1 413"), head
             assert body == b"nope"
             assert b"x-retry-fate: not-retryable" in head
+
+
+@pytest.mark.parametrize("expect", [False, True], ids=["plain", "expect-100"])
+async def test_an_early_answer_that_closes_is_relayed_or_a_reset(
+    sidecar_port: Runner, expect: bool
+):
+    """An upstream that answers early and closes at once, the body unread: its kernel resets
+    the connection, and a reset that overtakes the answer destroys it before the sidecar can
+    read it (nginx, in the sidecar's place, answers 502 then too). Each try is the answer
+    relayed or an ``upstream-reset`` -- never an ``internal`` fault -- and the answer is
+    relayed whenever it won the race."""
+    relayed = 0
+    async with raw_server(refuse_and_close) as upstream:
+        port = await sidecar_port(upstream)
+        for _ in range(TRIES):
+            head, body = await upload(port, expect)
+            if head.startswith(b"HTTP/1.1 413"):
+                assert body == b"nope"
+                assert b"x-retry-fate: not-retryable" in head
+                relayed += 1
+            else:
+                assert head.startswith(b"HTTP/1.1 502"), head
+                assert b"x-retry-proxy-error: upstream-reset" in head, head
+    assert relayed > 0
 
 
 async def test_an_upstream_that_closes_mid_upload_is_a_reset(sidecar_port: Runner):
