@@ -52,7 +52,9 @@ def signatures(tree: ast.AST, rel: str) -> Iterator[Signature]:
             if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
                 name = prefix + child.name
                 method = _is_method(child, parent)
-                yield Signature(f"{rel}:{child.lineno}", name, positional_count(child, method=method))
+                yield Signature(
+                    f"{rel}:{child.lineno}", name, positional_count(child, method=method)
+                )
                 yield from walk(child, name + ".")
             elif isinstance(child, ast.ClassDef):
                 yield from walk(child, prefix + child.name + ".")
