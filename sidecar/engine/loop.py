@@ -256,9 +256,9 @@ class Driver:
             self.previous_delay,
             self.deadline,
             a.ended,
-            self.clock.wall(),
-            self.rng,
-            c,
+            now_wall=self.clock.wall(),
+            rng=self.rng,
+            constraints=c,
         )
         if isinstance(decision, Retry):
             if self.gate.draining():
