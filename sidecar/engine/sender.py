@@ -49,6 +49,7 @@ class AttemptSender:
         span: Span | None,
         method: str,
         head_base: bytes,
+        *,
         body: Body,
         chunked: bool,
         deadline: Deadline,

@@ -285,12 +285,12 @@ class ProxyHandler:
             shared,
             body,
             chunked,
-            replayable,
-            edge,
-            deadline,
-            key is not None and key.strip() != b"",
-            span,
-            upgrade is not None,
+            replayable=replayable,
+            edge=edge,
+            deadline=deadline,
+            idempotency_key=key is not None and key.strip() != b"",
+            span=span,
+            upgrade=upgrade is not None,
         )
         async with Sequence(deps, config.name.encode(), exchange) as seq:
             result = seq.result
