@@ -386,7 +386,7 @@ class ProxyHandler:
                 0,
                 self.deps.clock.monotonic() - start,
                 499,  # nginx's status for "client closed the request", in metrics and logs
-                None,
+                proxy_error=None,
             )
         )
 
@@ -411,7 +411,7 @@ class ProxyHandler:
                 attempts,
                 self.deps.clock.monotonic() - start,
                 resp.status,
-                proxy_error_code,
+                proxy_error=proxy_error_code,
             )
         )
         return resp
