@@ -34,7 +34,17 @@ NO_LIMITS = Constraints()
 
 
 def run(outcome, attempt=1, policy=POLICY, deadline=LONG, c=NO_LIMITS, rng=0.5, prev=None):
-    return decide(policy, outcome, attempt, prev, deadline, NOW, WALL, FixedRng(rng), c)
+    return decide(
+        policy,
+        outcome,
+        attempt,
+        prev,
+        deadline,
+        NOW,
+        now_wall=WALL,
+        rng=FixedRng(rng),
+        constraints=c,
+    )
 
 
 def test_success_returns_at_once():

@@ -101,9 +101,13 @@ class FakeAttempter:
             response = await self.fail(self.clock, timeout)
         except UpstreamError as exc:
             now = self.clock.monotonic()
-            return Attempted(number, endpoint, hedge, start, now, Outcome(exc.kind), None, exc)
+            return Attempted(
+                number, endpoint, hedge, start, now, Outcome(exc.kind), response=None, error=exc
+            )
         now = self.clock.monotonic()
-        return Attempted(number, endpoint, hedge, start, now, outcome_of(response), response)
+        return Attempted(
+            number, endpoint, hedge, start, now, outcome_of(response), response=response
+        )
 
 
 async def drive(route, fail):
@@ -117,8 +121,8 @@ async def drive(route, fail):
             Constraints(),
             clock,
             _Highest(),
-            Recorder(),
-            FakeSleepGate(clock),
+            events=Recorder(),
+            gate=FakeSleepGate(clock),
         )
     )
     return result.attempts, clock.monotonic() - start

@@ -404,8 +404,8 @@ async def test_a_hedge_cancelled_before_it_ran_gives_its_ticket_back() -> None:
         Constraints(),
         clock,
         random.Random(1),
-        Recorder(),
-        SequenceGate("main", st, KillSwitch(), Lifecycle(), clock, random.Random(1)),
+        events=Recorder(),
+        gate=SequenceGate("main", st, KillSwitch(), Lifecycle(), clock, random.Random(1)),
     )
     async with AttemptSet() as running:
         assert driver.maybe_hedge(running, report=True)

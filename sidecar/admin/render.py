@@ -376,6 +376,7 @@ def set_form(
     scope: str = "global",
     ttl: str = "15m",
     reason: str = "",
+    *,
     message: str | None = None,
 ) -> str:
     options = ["global", *[f"route:{n}" for n in routes]]
@@ -431,6 +432,7 @@ def replay_form(
     route: str = "",
     limit: str = "100",
     dry_run: bool = False,
+    *,
     message: str | None = None,
 ) -> str:
     opts = "".join(

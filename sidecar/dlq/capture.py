@@ -63,6 +63,7 @@ async def capture(
     target: str,
     headers: list[tuple[bytes, bytes]],
     body: KeptBody,
+    *,
     fate: Fate,
     attempts: int,
     final_status: int | None,

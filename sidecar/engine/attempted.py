@@ -36,6 +36,7 @@ class Attempted:
         started: float,
         ended: float,
         outcome: Outcome,
+        *,
         response: UpstreamResponse | None = None,
         error: UpstreamError | LocalOverload | None = None,
     ) -> None:

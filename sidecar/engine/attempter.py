@@ -60,6 +60,7 @@ class RouteAttempter:
         clock: Clock,
         events: EventSink,
         hedgeable: bool,
+        *,
         adaptive: bool,
     ) -> None:
         self._route = route
@@ -121,7 +122,9 @@ class RouteAttempter:
                     f"({int(st.limiter.limit)}) is reached"
                 )
                 self._events.attempt_ended(AttemptEnded(name, number, err.code, 0.0, str(err)))
-                return Attempted(number, endpoint, hedge, start, start, _LOCAL, None, err)
+                return Attempted(
+                    number, endpoint, hedge, start, start, _LOCAL, response=None, error=err
+                )
         latency: float | None = None
         finished = False
         try:
@@ -137,12 +140,16 @@ class RouteAttempter:
                 self._events.attempt_ended(
                     AttemptEnded(name, number, outcome.label, end - start, str(exc))
                 )
-                return Attempted(number, endpoint, hedge, start, end, outcome, None, exc)
+                return Attempted(
+                    number, endpoint, hedge, start, end, outcome, response=None, error=exc
+                )
             except LocalOverload as full:  # the pool stayed full ("full", not "exc": mypyc)
                 end = clock.monotonic()
                 finished = True
                 self._events.attempt_ended(AttemptEnded(name, number, full.code, 0.0, str(full)))
-                return Attempted(number, endpoint, hedge, start, end, _LOCAL, None, full)
+                return Attempted(
+                    number, endpoint, hedge, start, end, _LOCAL, response=None, error=full
+                )
             end = clock.monotonic()
             refused = None
             if response.status == 503:
@@ -156,7 +163,9 @@ class RouteAttempter:
             self._settle(end, endpoint, outcome, None, refused)
             finished = True
             self._events.attempt_ended(AttemptEnded(name, number, outcome.label, latency, None))
-            return Attempted(number, endpoint, hedge, start, end, outcome, response, None)
+            return Attempted(
+                number, endpoint, hedge, start, end, outcome, response=response, error=None
+            )
         finally:
             now = clock.monotonic()
             if reserved is not None:

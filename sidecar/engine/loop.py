@@ -124,6 +124,7 @@ class SequenceResult:
         error: UpstreamError | LocalOverload | None = None,
         hedges: int = 0,
         outcome: Outcome | None = None,
+        *,
         failed_before: bool = False,
     ) -> None:
         self.fate = fate
@@ -153,8 +154,10 @@ def _result(
     fate: Fate, number: int, a: Attempted | None, hedges: int, failed_before: bool
 ) -> SequenceResult:
     if a is None:
-        return SequenceResult(fate, number, None, None, hedges, None, failed_before)
-    return SequenceResult(fate, number, a.response, a.error, hedges, a.outcome, failed_before)
+        return SequenceResult(fate, number, None, None, hedges, None, failed_before=failed_before)
+    return SequenceResult(
+        fate, number, a.response, a.error, hedges, a.outcome, failed_before=failed_before
+    )
 
 
 class Driver:
@@ -189,6 +192,7 @@ class Driver:
         constraints: Constraints,
         clock: Clock,
         rng: Rng,
+        *,
         events: EventSink,
         gate: RetryGate,
     ) -> None:
@@ -256,9 +260,9 @@ class Driver:
             self.previous_delay,
             self.deadline,
             a.ended,
-            self.clock.wall(),
-            self.rng,
-            c,
+            now_wall=self.clock.wall(),
+            rng=self.rng,
+            constraints=c,
         )
         if isinstance(decision, Retry):
             if self.gate.draining():
@@ -294,7 +298,13 @@ class Driver:
                 a.outcome.status or None,
             )
             return SequenceResult(
-                Fate.KILL_SWITCH, self.number, None, stopped, self.hedges, a.outcome, True
+                Fate.KILL_SWITCH,
+                self.number,
+                None,
+                stopped,
+                self.hedges,
+                a.outcome,
+                failed_before=True,
             )
         if self.deadline.remaining(self.clock.monotonic()) <= 0:
             self.unsent()
@@ -360,7 +370,13 @@ class Driver:
         # a backoff that decide() allowed ending exactly at the deadline).
         spent = NoTimeLeft("the sequence deadline is spent")
         return SequenceResult(
-            Fate.DEADLINE, self.number, None, spent, self.hedges, None, self.failed_before
+            Fate.DEADLINE,
+            self.number,
+            None,
+            spent,
+            self.hedges,
+            None,
+            failed_before=self.failed_before,
         )
 
     async def one_at_a_time(self) -> SequenceResult:

@@ -49,6 +49,7 @@ class AttemptSender:
         span: Span | None,
         method: str,
         head_base: bytes,
+        *,
         body: Body,
         chunked: bool,
         deadline: Deadline,
@@ -96,9 +97,9 @@ class AttemptSender:
                 self._body,
                 timeout,
                 self._head_only,
-                self._chunked,
-                self.time_left,
-                self._upgrade,
+                chunked=self._chunked,
+                time_left=self.time_left,
+                upgrade=self._upgrade,
             )
         except BaseException as exc:
             if attempt_span is not None:

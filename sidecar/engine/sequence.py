@@ -77,6 +77,7 @@ class Exchange:
         headers: list[tuple[bytes, bytes]],
         body: Body,
         chunked: bool,
+        *,
         replayable: bool,
         edge: bytes | None,
         deadline: Deadline,
@@ -252,10 +253,10 @@ class Sequence:
             ex.span,
             ex.method,
             edge_head(ex.method, ex.target, ex.headers, edge_value),
-            ex.body,
-            ex.chunked,
-            ex.deadline,
-            ex.upgrade,
+            body=ex.body,
+            chunked=ex.chunked,
+            deadline=ex.deadline,
+            upgrade=ex.upgrade,
         )
         method = ex.method
         killed = self._killed
@@ -284,7 +285,14 @@ class Sequence:
             route, self._state, sender.send, clock, deps.events, hedgeable, adaptive=not killed
         )
         driver = Driver(
-            route, attempter, ex.deadline, constraints, clock, deps.rng, deps.events, gate
+            route,
+            attempter,
+            ex.deadline,
+            constraints,
+            clock,
+            deps.rng,
+            events=deps.events,
+            gate=gate,
         )
         return shaped(driver), attempter
 

@@ -181,27 +181,27 @@ class ProxyHandler:
                 target,
                 shared,
                 as_received,
-                edge,
-                timeout_ms,
-                start,
-                span,
-                upgrade,
+                edge=edge,
+                timeout_ms=timeout_ms,
+                start=start,
+                span=span,
+                upgrade=upgrade,
             )
         except BodyTooLarge as exc:
             deps.malformed("body-too-large")
             resp413 = client_error(413, str(exc))
             resp413.force_close()  # the rest of the body is not read
-            return self._finish(request, route, start, resp413, Fate.NOT_RETRYABLE, 0, None, span)
+            return self._finish(request, route, start, resp413, Fate.NOT_RETRYABLE, 0, span=span)
         except BodyStalled as stalled:  # not "exc": see tests/test_build.py (mypyc)
             deps.malformed("body-timeout")
             resp408 = client_error(408, str(stalled))
             resp408.force_close()
-            return self._finish(request, route, start, resp408, Fate.NOT_RETRYABLE, 0, None, span)
+            return self._finish(request, route, start, resp408, Fate.NOT_RETRYABLE, 0, span=span)
         except BodyMalformed as malformed:
             deps.malformed("malformed")
             resp400 = client_error(400, str(malformed))
             resp400.force_close()  # the connection's framing is lost
-            return self._finish(request, route, start, resp400, Fate.NOT_RETRYABLE, 0, None, span)
+            return self._finish(request, route, start, resp400, Fate.NOT_RETRYABLE, 0, span=span)
         except ClientGone:
             # The client aborted its upload: nobody to answer, nothing to blame upstream for.
             self._gone(request, route, start, span)
@@ -226,7 +226,16 @@ class ProxyHandler:
             if self._internal_errors.allow():
                 log.exception("internal error while proxying %s", request.method)
             resp = proxy_error(502, "internal", "internal error in the sidecar", "exhausted", 0)
-            return self._finish(request, route, start, resp, Fate.EXHAUSTED, 0, "internal", span)
+            return self._finish(
+                request,
+                route,
+                start,
+                resp,
+                Fate.EXHAUSTED,
+                0,
+                proxy_error_code="internal",
+                span=span,
+            )
 
     async def _sequence(
         self,
@@ -236,6 +245,7 @@ class ProxyHandler:
         target: str,  # origin-form, as request_target read it
         shared: list[tuple[bytes, bytes]],
         as_received: list[tuple[bytes, bytes]],
+        *,
         edge: bytes | None,
         timeout_ms: bytes | None,
         start: float,
@@ -285,12 +295,12 @@ class ProxyHandler:
             shared,
             body,
             chunked,
-            replayable,
-            edge,
-            deadline,
-            key is not None and key.strip() != b"",
-            span,
-            upgrade is not None,
+            replayable=replayable,
+            edge=edge,
+            deadline=deadline,
+            idempotency_key=key is not None and key.strip() != b"",
+            span=span,
+            upgrade=upgrade is not None,
         )
         async with Sequence(deps, config.name.encode(), exchange) as seq:
             result = seq.result
@@ -304,8 +314,8 @@ class ProxyHandler:
                         upgrade,
                         _headers(result, None),
                         deps.tunnels,
-                        lambda resp: self._finish(
-                            request, route, start, resp, result.fate, result.attempts, None, span
+                        opened=lambda resp: self._finish(
+                            request, route, start, resp, result.fate, result.attempts, span=span
                         ),
                     )
                 not_opened(deps.tunnels, route, up)
@@ -317,10 +327,10 @@ class ProxyHandler:
                 # The common case (an upstream answer, no DLQ to consult) goes straight to the
                 # relay: two coroutines less per request than through _respond and _answer.
                 return await self._stream(
-                    request, route, start, result, result.response, span, None, seq
+                    request, route, start, result, result.response, span, captured=None, seq=seq
                 )
             return await self._respond(
-                request, route, method, target, as_received, body, start, span, seq
+                request, route, method, target, as_received, body, start=start, span=span, seq=seq
             )
 
     async def _respond(
@@ -331,6 +341,7 @@ class ProxyHandler:
         target: str,
         as_received: list[tuple[bytes, bytes]],
         body: Body,
+        *,
         start: float,
         span: Span | None,
         seq: Sequence,
@@ -354,24 +365,26 @@ class ProxyHandler:
                 target,
                 as_received,
                 KeptBody.of(body),
-                fate,
-                attempts,
-                status,
-                error,
-                deps.dlq_write,
-                result,
+                fate=fate,
+                attempts=attempts,
+                final_status=status,
+                error=error,
+                on_write=deps.dlq_write,
+                result=result,
             )
         if captured is not None and captured.record_id and route.dlq.respond == "accepted":
             resp202 = accepted(captured.record_id, fate, attempts)
-            return self._finish(request, route, start, resp202, fate, attempts, None, span)
+            return self._finish(request, route, start, resp202, fate, attempts, span=span)
         if result is None:
             resp = proxy_error(
                 503, "breaker-open", f"circuit breaker of route {route.name} is open", fate, 0
             )
             resp.headers["Retry-After"] = str(max(1, math.ceil(seq.refused_for)))
             _dlq_headers(resp, captured)
-            return self._finish(request, route, start, resp, fate, 0, "breaker-open", span)
-        return await self._answer(request, route, start, result, span, captured, seq)
+            return self._finish(
+                request, route, start, resp, fate, 0, proxy_error_code="breaker-open", span=span
+            )
+        return await self._answer(request, route, start, result, span, captured, seq=seq)
 
     def _gone(
         self, request: web.BaseRequest, route: Route, start: float, span: Span | None
@@ -386,7 +399,7 @@ class ProxyHandler:
                 0,
                 self.deps.clock.monotonic() - start,
                 499,  # nginx's status for "client closed the request", in metrics and logs
-                None,
+                proxy_error=None,
             )
         )
 
@@ -398,6 +411,7 @@ class ProxyHandler:
         resp: web.StreamResponse,
         fate: Fate | str,
         attempts: int,
+        *,
         proxy_error_code: str | None = None,
         span: Span | None = None,
     ) -> web.StreamResponse:
@@ -411,7 +425,7 @@ class ProxyHandler:
                 attempts,
                 self.deps.clock.monotonic() - start,
                 resp.status,
-                proxy_error_code,
+                proxy_error=proxy_error_code,
             )
         )
         return resp
@@ -424,6 +438,7 @@ class ProxyHandler:
         result: SequenceResult,
         span: Span | None,
         captured: Captured | None,
+        *,
         seq: Sequence,
     ) -> web.StreamResponse:
         fate = result.fate
@@ -441,10 +456,16 @@ class ProxyHandler:
                 code = AttemptTimeout.code
             message = MESSAGES.get(code, "the sidecar could not complete the request")
             received = err.received_status if isinstance(err, RetryStopped) else None
-            resp = proxy_error(status, code, message, fate, result.attempts, error_type, received)
+            resp = proxy_error(
+                status, code, message, fate, result.attempts, error_type, received_status=received
+            )
             _dlq_headers(resp, captured)
-            return self._finish(request, route, start, resp, fate, result.attempts, code, span)
-        return await self._stream(request, route, start, result, up, span, captured, seq)
+            return self._finish(
+                request, route, start, resp, fate, result.attempts, proxy_error_code=code, span=span
+            )
+        return await self._stream(
+            request, route, start, result, up, span, captured=captured, seq=seq
+        )
 
     async def _stream(
         self,
@@ -454,6 +475,7 @@ class ProxyHandler:
         result: SequenceResult,
         up: UpstreamResponse,
         span: Span | None,
+        *,
         captured: Captured | None,
         seq: Sequence,
     ) -> web.StreamResponse:
@@ -480,7 +502,7 @@ class ProxyHandler:
             # client-gone by _handle, as every write to a client that left.
             resp.send_whole(request, body)
             return self._finish(
-                request, route, start, resp, result.fate, result.attempts, None, span
+                request, route, start, resp, result.fate, result.attempts, span=span
             )
         idle = route.stream_idle_timeout
         broken: UpstreamError | None = None
@@ -514,12 +536,19 @@ class ProxyHandler:
                 route, f"upstream response broke mid-body ({broken.code}): {broken}"
             )
             return self._finish(
-                request, route, start, resp, BODY_BROKEN, result.attempts, broken.code, span
+                request,
+                route,
+                start,
+                resp,
+                BODY_BROKEN,
+                result.attempts,
+                proxy_error_code=broken.code,
+                span=span,
             )
         if gone:
             self._gone(request, route, start, span)
             return resp
-        return self._finish(request, route, start, resp, result.fate, result.attempts, None, span)
+        return self._finish(request, route, start, resp, result.fate, result.attempts, span=span)
 
     def _upstream_warning(self, route: Route, message: str) -> None:
         if self._upstream_errors.allow():

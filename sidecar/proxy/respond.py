@@ -205,6 +205,7 @@ def proxy_error(
     fate: Fate | str,
     attempts: int,
     error_type: str | None = None,
+    *,
     received_status: int | None = None,
 ) -> web.Response:
     """A response made by the sidecar itself, about the upstream or the route's policy;

@@ -227,6 +227,7 @@ async def relay(
     value: bytes,
     own: list[tuple[bytes, bytes]],
     tunnels: Tunnels,
+    *,
     opened: Callable[[web.StreamResponse], object],
 ) -> web.StreamResponse:
     """Relay the upstream's 101 and join the connections until the tunnel ends. ``opened``

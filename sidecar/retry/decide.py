@@ -83,6 +83,7 @@ def decide(
     previous_delay: float | None,
     deadline: Deadline,
     now: float,
+    *,
     now_wall: float,
     rng: Rng,
     constraints: Constraints = UNCONSTRAINED,

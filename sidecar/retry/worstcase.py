@@ -70,7 +70,17 @@ def simulate(
         took = min(attempt_seconds, per_try(route), deadline.remaining(now))
         now += took
         wall += took
-        d = decide(route.retry, outcome, attempt, previous, deadline, now, wall, rng, c)
+        d = decide(
+            route.retry,
+            outcome,
+            attempt,
+            previous,
+            deadline,
+            now,
+            now_wall=wall,
+            rng=rng,
+            constraints=c,
+        )
         if not isinstance(d, Retry):
             return Simulated(attempt, now, d.fate)
         previous = d.delay

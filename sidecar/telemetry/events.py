@@ -50,6 +50,7 @@ class SequenceEnded:
         attempts: int,
         duration: float,
         status: int,
+        *,
         proxy_error: str | None = None,
     ) -> None:
         self.route = route

@@ -190,6 +190,7 @@ class UpstreamClient:
         body: Body,
         timeout: float,
         head_only: bool = False,
+        *,
         chunked: bool = False,
         time_left: Callable[[], float] | None = None,
         upgrade: bool = False,
