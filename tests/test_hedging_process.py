@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from tests.test_contract import start_process
@@ -121,6 +122,7 @@ def hedges_sent(metrics: str) -> int:
     return 0
 
 
+@pytest.mark.slow
 async def test_no_hedge_starts_after_a_kill_switch_a_drain_or_a_reload_that_sets_one(
     tmp_path: Path,
 ) -> None:

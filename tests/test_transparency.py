@@ -184,6 +184,7 @@ async def test_absolute_form_is_routed_and_forwarded_by_its_path(upstream_factor
     assert len(api.seen) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "request_bytes",
     [
