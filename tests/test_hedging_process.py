@@ -15,6 +15,8 @@ from aiohttp import web
 from tests.test_contract import start_process
 from tests.wait import until
 
+pytestmark = pytest.mark.slow
+
 
 class Items:
     """An upstream holding items: GET answers at once; DELETE deletes, then takes ``slow``
@@ -122,7 +124,6 @@ def hedges_sent(metrics: str) -> int:
     return 0
 
 
-@pytest.mark.slow
 async def test_no_hedge_starts_after_a_kill_switch_a_drain_or_a_reload_that_sets_one(
     tmp_path: Path,
 ) -> None:
