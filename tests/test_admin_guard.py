@@ -500,6 +500,7 @@ def _body_limits_config(tmp_path: Path, up_url: str, admin: int = 0) -> str:
     )
 
 
+@pytest.mark.slow
 async def test_the_admin_listener_cuts_stalled_bodies_uvloop(upstream_factory, tmp_path):
     """Round 3, finding 06, from outside: 20 tokenless form posts whose bodies stalled were all
     still open 15 s later (body_idle_timeout 2 s): the admin side read bodies with no deadline.
@@ -538,6 +539,7 @@ async def test_the_admin_listener_cuts_stalled_bodies_asyncio(
     assert [s.reason for s in sc.sidecar.kill.active(0.0)] == ["whole body"]
 
 
+@pytest.mark.slow
 async def test_clients_that_leave_mid_body_log_nothing_uvloop(upstream_factory, tmp_path):
     """Round 3, finding 07, from outside: each client that left mid-body on the admin port
     logged an error with a traceback (40 for 40). A client gone is not a handler failure."""

@@ -16,6 +16,8 @@ from tests.difftools import stop
 from tests.proc import free_port
 from tests.threeways import WAYS, Tally, front, nginx_available
 
+pytestmark = pytest.mark.slow
+
 
 def comparable(t: Tally) -> dict[str, object]:
     return {

@@ -17,6 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
+pytestmark = pytest.mark.slow  # pip-audit: a vulnerability lookup over the network
+
 
 def test_no_known_vulnerabilities_in_pinned_dependencies():
     exe = shutil.which("pip-audit", path=str(Path(sys.executable).parent)) or shutil.which(

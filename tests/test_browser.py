@@ -13,7 +13,10 @@ from tests.browser import browser, why_not
 from tests.conftest import reply, routes_yaml
 from tests.proc import SidecarProcess, free_port
 
-pytestmark = pytest.mark.skipif(why_not() is not None, reason=str(why_not()))
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(why_not() is not None, reason=str(why_not())),
+]
 
 TOKEN = "browser-test-token-7f3a9c"
 

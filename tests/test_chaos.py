@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests import chaos
+
+pytestmark = pytest.mark.slow
 
 
 async def test_chaos_leaves_nothing_behind():

@@ -12,6 +12,7 @@ import random
 from datetime import timedelta
 from typing import Any
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -252,6 +253,7 @@ def test_the_fuzz_writes_every_key() -> None:
     assert [k for k in leaves(Config, "") if k not in top_own and not written(k, TOP_KEYS)] == []
 
 
+@pytest.mark.slow
 @settings(
     max_examples=300,
     deadline=None,

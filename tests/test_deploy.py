@@ -69,6 +69,7 @@ def test_dockerfile_shape():
     assert any(w == "ENV" and "RETRY_SIDECAR_CONFIG=" in r for w, r in ins)
 
 
+@pytest.mark.slow
 def test_image_install_and_entry_point_in_a_fresh_venv(tmp_path):
     """Run what the image runs: docker/install.sh into a new venv, then ENTRYPOINT + CMD with
     the image's environment, then the HEALTHCHECK command."""

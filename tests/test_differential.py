@@ -331,6 +331,7 @@ def _check(direct: d.Reply, proxied: d.Reply, case: Case, dport: int, pport: int
     assert got == want, extra
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("client", "case"), CLIENT_CASES, ids=[f"{cl}-{c.name}" for cl, c in CLIENT_CASES]
 )
@@ -344,6 +345,7 @@ def test_same_answer_direct_and_through_the_sidecar(world: d.World, client: str,
     _check(direct, proxied, case, dport, world.sidecar_port)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "data", "methods"), RAW_CASES, ids=[c[0] for c in RAW_CASES])
 def test_same_bytes_direct_and_through_the_sidecar(world: d.World, name, data, methods):
     case = Case(name, methods[-1], "", echo=name in RAW_ECHO)
@@ -359,6 +361,7 @@ def test_same_bytes_direct_and_through_the_sidecar(world: d.World, name, data, m
         _check(dr, pr, one, world.bin_port, world.sidecar_port)
 
 
+@pytest.mark.slow
 def test_the_comparison_sees_a_difference(world: d.World):
     """The suite cannot pass by comparing nothing: a changed header or body byte is seen."""
     case = Case("self-check", "GET", "/response-headers?X-A=1")
@@ -529,6 +532,7 @@ routes:
         up.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", UPLOAD_CASES, ids=[c.name for c in UPLOAD_CASES])
 def test_the_upstream_receives_what_nginx_would_send_it(upload_world: UploadWorld, case: Upload):
     body = _body(case.size, case.size)
@@ -547,6 +551,7 @@ def test_the_upstream_receives_what_nginx_would_send_it(upload_world: UploadWorl
     assert sc_seen == ngx_seen
 
 
+@pytest.mark.slow
 def test_http10_with_transfer_encoding_is_refused_and_the_connection_closed(
     upload_world: UploadWorld,
 ):
@@ -566,6 +571,7 @@ def test_http10_with_transfer_encoding_is_refused_and_the_connection_closed(
 RAW_TARGETS = [b"/raw/f?y=\xc3\xbc", b"/raw/caf\xc3\xa9/\xe2\x9c\x93?q=\xff&r=%C3%BC"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", UPLOAD_SPLITS)
 @pytest.mark.parametrize("target", RAW_TARGETS, ids=["utf8-query", "utf8-path-and-latin1"])
 def test_raw_non_ascii_bytes_in_the_target_are_forwarded_as_sent(
@@ -600,6 +606,7 @@ DLQ_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", DLQ_CASES, ids=[c.name for c in DLQ_CASES])
 def test_a_dlq_route_stores_the_whole_body_at_any_split(upload_world: UploadWorld, case: Upload):
     body = _body(case.size, case.size + 1)

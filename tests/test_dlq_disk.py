@@ -8,6 +8,7 @@ import sqlite3
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from tests.conftest import reply
 from tests.proc import SidecarProcess, free_port
@@ -69,6 +70,7 @@ def held(db: Path) -> list[str]:
         conn.close()
 
 
+@pytest.mark.slow
 async def test_a_restart_on_a_full_volume_keeps_the_queue_and_opens_it_once_it_can(
     upstream_factory, tmp_path
 ):
@@ -208,6 +210,7 @@ async def test_a_dlq_file_deleted_then_a_stop_before_any_check_keeps_every_recor
     assert held(db) == acked
 
 
+@pytest.mark.slow
 async def test_a_dlq_file_deleted_while_the_volume_is_full_is_written_again_once_it_has_room(
     upstream_factory, tmp_path
 ):

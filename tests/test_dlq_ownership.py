@@ -168,6 +168,7 @@ routes:
 """
 
 
+@pytest.mark.slow
 async def test_two_processes_sharing_a_file_deliver_every_record_exactly_once(
     upstream_factory, tmp_path
 ):
@@ -466,6 +467,7 @@ async def test_redrive_resends_only_what_is_safe_and_parks_the_rest(
         await gone.cleanup()
 
 
+@pytest.mark.slow
 async def test_redrive_probes_an_open_breaker_when_clients_are_quiet(
     upstream_factory, sidecar_factory, client, tmp_path
 ):
@@ -495,6 +497,7 @@ async def test_redrive_probes_an_open_breaker_when_clients_are_quiet(
     assert breaker.state.value == "closed"
 
 
+@pytest.mark.slow
 async def test_redrive_survives_storage_errors(upstream_factory, client, tmp_path, caplog):
     """A lock held on the file by someone else makes every write fail for a while; the redrive
     logs it, backs off and goes on, and delivers once the disk works again."""

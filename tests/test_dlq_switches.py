@@ -101,6 +101,7 @@ RECORDS = 30
 EVENTS = ("kill-switch", "drain", "reload")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.parametrize("event", EVENTS)
 async def test_a_switch_drain_or_reload_mid_redrive_stops_it_and_loses_nothing(

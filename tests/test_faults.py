@@ -151,6 +151,7 @@ async def test_pool_returns_to_its_size_after_mixed_faults(sidecar_factory, clie
         assert stats.total == stats.idle == 1
 
 
+@pytest.mark.slow
 async def test_idle_pooled_connections_are_closed_after_the_idle_timeout(
     upstream_factory, sidecar_factory, client
 ):

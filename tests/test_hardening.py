@@ -133,6 +133,7 @@ async def test_trickled_head_is_cut_with_408_while_others_are_served(
     assert 'malformed_requests_total{reason="header-timeout"} 1' in sc.sidecar.metrics.render()
 
 
+@pytest.mark.slow
 async def test_idle_keep_alive_connection_is_not_cut_by_the_header_deadline(
     upstream_factory, sidecar_factory
 ):

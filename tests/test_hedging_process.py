@@ -9,10 +9,13 @@ import signal
 from pathlib import Path
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from tests.test_contract import start_process
 from tests.wait import until
+
+pytestmark = pytest.mark.slow
 
 
 class Items:

@@ -131,6 +131,7 @@ async def test_steady_60_percent_503_is_never_below_direct(stack: Stack):
     assert up.calls < static, (up.calls, static)
 
 
+@pytest.mark.slow
 async def test_three_tier_full_outage_costs_at_most_1_1_calls_per_request(stack: Stack):
     n = 400
     bottom, port = await stack.upstream("ok", outage=(0, n))
@@ -143,6 +144,7 @@ async def test_three_tier_full_outage_costs_at_most_1_1_calls_per_request(stack:
     assert bottom.calls <= 1.1 * n, bottom.calls
 
 
+@pytest.mark.slow
 async def test_after_a_short_outage_nothing_is_refused(stack: Stack):
     warm, outage, after = 120, 100, 100
     _up, up_port = await stack.upstream("ok", outage=(warm, warm + outage))

@@ -442,6 +442,7 @@ async def test_aborted_uploads_are_not_upstream_resets(upstream_factory, sidecar
 # -- the client leaving cancels the work ----------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_client_that_leaves_stops_its_retries(upstream_factory, sidecar_factory):
     up = await upstream_factory(reply(503, headers={"Retry-After": "1"}))
     sc = await sidecar_factory(routes_yaml(up.url, "    retry: {attempts: 5}\n"))

@@ -433,6 +433,7 @@ async def test_a_connection_that_goes_bad_before_its_waiter_runs_is_replaced(
 # == paths that held up ==========================================================================
 
 
+@pytest.mark.slow
 async def test_aborts_at_every_point_of_a_retried_upload_leave_nothing_behind(
     upstream_factory, sidecar_factory
 ):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import aiohttp
+import pytest
 
 from tests.conftest import reply, routes_yaml
 from tests.proc import SidecarProcess, free_port
@@ -63,6 +64,7 @@ def test_run_uses_the_config_env_variable(tmp_path):
     assert res.returncode == 1 and f"{cfg}:1: routes: required" in res.stderr
 
 
+@pytest.mark.slow
 def test_demo_shows_retries_turning_failures_into_successes():
     res = subprocess.run(
         [sys.executable, "-m", "sidecar", "demo", "--requests", "40", "--seed", "7"],

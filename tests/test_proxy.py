@@ -100,6 +100,7 @@ async def test_connect_failure_gives_502_after_retries(sidecar_factory, client, 
         assert body["attempts"] == 3 and "error" in body
 
 
+@pytest.mark.slow
 async def test_retry_after_is_honoured(upstream_factory, sidecar_factory, client):
     up = await upstream_factory(reply(503, b"", {"Retry-After": "1"}), reply(200))
     sc = await sidecar_factory(routes_yaml(up.url))

@@ -4,6 +4,8 @@ it, a method with bytes over 0x7F, and the fate of an upgrade the upstream refus
 
 from __future__ import annotations
 
+import pytest
+
 from sidecar.proxy.framing import escape_request_line
 from tests.conftest import reply, routes_yaml
 from tests.rawhttp import raw_request
@@ -78,6 +80,7 @@ async def test_a_method_with_bytes_over_0x7f_is_refused_not_rewritten(
     assert escape_request_line(b"\xc3\xbc HTTP/1.1\r\n", b"GET /")[0] == b"%C3%BC HTTP/1.1\r\n"
 
 
+@pytest.mark.slow
 async def test_an_upgrade_the_upstream_refuses_ends_not_retryable(
     upstream_factory, sidecar_factory
 ):

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from tests.difftools import stop
@@ -20,6 +21,7 @@ from tests.realapp import start_single_worker_app
 from tests.threeways import shipped_defaults_sidecar
 
 
+@pytest.mark.slow
 async def test_slow_handlers_of_a_single_worker_app_run_once_each(tmp_path: Path) -> None:
     """A route of fast GETs and slow GETs in front of gunicorn's single sync worker: each
     slow GET must run its handler once. A hedge of a slow GET (the adaptive per-try timeout
@@ -47,6 +49,7 @@ async def test_slow_handlers_of_a_single_worker_app_run_once_each(tmp_path: Path
         stop(app)
 
 
+@pytest.mark.slow
 async def test_long_polls_are_never_refused(tmp_path: Path) -> None:
     """Long-poll clients (each request held 1.5 s by the app) beside one fast client, as a
     chat or notification app has: direct, the app answers every request. Through the sidecar

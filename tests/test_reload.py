@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from tests.conftest import hang, reply, routes_yaml
@@ -50,6 +51,7 @@ async def start_with_file(sidecar_factory, path: Path, text: str):
     return await sidecar_factory(text, config_path=str(path))
 
 
+@pytest.mark.slow
 async def test_in_place_edit(upstream_factory, sidecar_factory, client, tmp_path):
     up = await upstream_factory(reply(503))
     cfg = tmp_path / "sidecar.yaml"
@@ -70,6 +72,7 @@ async def test_atomic_rename(upstream_factory, sidecar_factory, client, tmp_path
     await eventually_attempts(client, sc.url, 2)
 
 
+@pytest.mark.slow
 async def test_configmap_symlink_swap(upstream_factory, sidecar_factory, client, tmp_path):
     """The layout the kubelet writes for a ConfigMap volume, and its atomic ..data swap."""
     up = await upstream_factory(reply(503))
@@ -90,6 +93,7 @@ async def test_configmap_symlink_swap(upstream_factory, sidecar_factory, client,
     await eventually_attempts(client, sc.url, 3)
 
 
+@pytest.mark.slow
 async def test_invalid_edit_changes_nothing_that_serves(
     upstream_factory, sidecar_factory, client, tmp_path
 ):
@@ -338,6 +342,7 @@ async def test_drain_timeout_applies_on_reload(upstream_factory, client, tmp_pat
             await sc.stop()
 
 
+@pytest.mark.slow
 async def test_a_good_file_written_during_a_failed_reload_is_loaded(
     upstream_factory, sidecar_factory, client, tmp_path, monkeypatch
 ):

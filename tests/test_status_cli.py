@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import aiohttp
+import pytest
 
 from tests.conftest import reply, routes_yaml
 from tests.proc import SidecarProcess, free_port
@@ -30,6 +31,7 @@ async def cli(*args: str, token: str | None = None) -> subprocess.CompletedProce
     )
 
 
+@pytest.mark.slow
 async def test_status_and_killswitch_verbs(upstream_factory, tmp_path):
     up = await upstream_factory(reply(503), reply(200))
     port, admin = free_port(), free_port()

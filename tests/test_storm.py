@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from sidecar.testing import FakeClock
@@ -253,6 +254,7 @@ async def test_naive_tiers_multiply_to_attempts_cubed(upstream_factory, sidecar_
             await a.cleanup()
 
 
+@pytest.mark.slow
 async def test_every_tier_gives_up_by_the_edge_deadline(upstream_factory, sidecar_factory, client):
     bottom = await upstream_factory(hang(30.0))
     edge, tier2, tier3, apps = await three_tiers(

@@ -184,6 +184,7 @@ async def test_absolute_form_is_routed_and_forwarded_by_its_path(upstream_factor
     assert len(api.seen) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "request_bytes",
     [
@@ -370,6 +371,7 @@ async def test_1xx_responses_are_relayed_in_order_to_http11_clients_only(sidecar
         assert out10.startswith(b"HTTP/1.0 200")
 
 
+@pytest.mark.slow
 async def test_own_errors_carry_proxy_status_and_no_banner_or_address(
     sidecar_factory, unused_tcp_port
 ):

@@ -211,6 +211,7 @@ async def test_a_client_gone_mid_tunnel_gives_back_the_tunnel_and_the_bulkhead(
         assert b"x-retry-fate: overloaded" not in after and after.startswith(b"HTTP/1.1 426")
 
 
+@pytest.mark.slow
 async def test_sigterm_gives_open_tunnels_the_drain_time_then_closes_them(
     tmp_path: Path,
 ) -> None:
