@@ -92,3 +92,21 @@ class SidecarProcess:
     def stderr(self) -> str:
         """What the process wrote (its log lines go to stderr)."""
         return self.log_path.read_text(errors="replace")
+
+
+async def start_process(tmp_path: Path, body: str) -> tuple[SidecarProcess, int, int]:
+    """The real process, its proxy and admin API on free ports and ``body`` (the rest of the
+    YAML) after them, once both listen: the process and the two ports. The caller stops it."""
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(
+        f'version: 1\nlisten: "127.0.0.1:{port}"\nadmin: {{listen: "127.0.0.1:{admin}"}}\n{body}'
+    )
+    proc = SidecarProcess(cfg)
+    proc.start()
+    try:
+        await proc.wait_port(port, admin)
+    except BaseException:
+        proc.terminate()
+        raise
+    return proc, port, admin

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from tests.conftest import reply, routes_yaml
-from tests.test_contract import start_process
+from tests.proc import start_process
 
 BAD_UNTILS = ("9999-12-31T23:59:59-05:00", "0001-01-01T00:00:00+23:59")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from tests.proc import SidecarProcess, free_port
+from tests.proc import free_port, start_process
 from tests.wait import until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,24 +48,6 @@ routes:
     bogus_key: 1
     match: {bogus_key: 1}
 """
-
-
-async def start_process(tmp_path: Path, body: str) -> tuple[SidecarProcess, int, int]:
-    """The real process, its proxy and admin API on free ports and ``body`` (the rest of the
-    YAML) after them, once both listen: the process and the two ports. The caller stops it."""
-    port, admin = free_port(), free_port()
-    cfg = tmp_path / "sidecar.yaml"
-    cfg.write_text(
-        f'version: 1\nlisten: "127.0.0.1:{port}"\nadmin: {{listen: "127.0.0.1:{admin}"}}\n{body}'
-    )
-    proc = SidecarProcess(cfg)
-    proc.start()
-    try:
-        await proc.wait_port(port, admin)
-    except BaseException:
-        proc.terminate()
-        raise
-    return proc, port, admin
 
 
 def test_the_example_config_shows_every_key_validate_accepts(tmp_path: Path) -> None:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import routes_yaml
+from tests.proc import start_process
 from tests.rawhttp import raw_server, read_head
-from tests.test_contract import start_process
 
 BODY = b"u" * (1024 * 1024)  # far over max_body_bytes: streamed
 TRIES = 20

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.test_contract import start_process
+from tests.proc import start_process
 from tests.wait import until
 
 pytestmark = pytest.mark.slow

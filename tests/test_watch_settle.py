@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 
 from tests.conftest import reply
-from tests.test_contract import start_process
+from tests.proc import start_process
 from tests.wait import until
 
 

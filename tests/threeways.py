@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.difftools import make_tmp, start_nginx_proxy, stop
-from tests.proc import SidecarProcess, free_port
+from tests.proc import SidecarProcess, free_port, start_process
 
 WAYS = ("direct", "sidecar", "nginx")
 
@@ -38,20 +38,11 @@ def nginx_available() -> bool:
 async def shipped_defaults_sidecar(tmp_path: Path, upstream: str) -> tuple[SidecarProcess, int]:
     """The real process with nothing but its listeners, a DLQ path and one route: every policy
     key is the shipped default."""
-    port, admin = free_port(), free_port()
-    cfg = tmp_path / "sidecar.yaml"
-    cfg.write_text(
-        f'version: 1\nlisten: "127.0.0.1:{port}"\nadmin: {{listen: "127.0.0.1:{admin}"}}\n'
+    proc, port, _ = await start_process(
+        tmp_path,
         f'dlq: {{path: "{tmp_path / "dlq.sqlite3"}"}}\n'
-        f'routes:\n  - name: app\n    upstream: "{upstream}"\n'
+        f'routes:\n  - name: app\n    upstream: "{upstream}"\n',
     )
-    proc = SidecarProcess(cfg)
-    proc.start()
-    try:
-        await proc.wait_port(port, admin)
-    except BaseException:
-        proc.terminate()
-        raise
     return proc, port
 
 
