@@ -377,8 +377,6 @@ def _retry_on(value: object) -> RetryOn:
     )
 
 
-
-
 def retry_on_written(value: RetryOn) -> list[str | int]:
     """``retry_on`` as a config writes it (the inverse of ``_retry_on``)."""
     words: list[str | int] = [

@@ -442,7 +442,7 @@ class Config:
         None,
         own=True,
         example=(
-            "[]\n#  - scope: route:orders          # or \"global\"\n"
+            '[]\n#  - scope: route:orders          # or "global"\n'
             '#    reason: "INC-123 retries amplify the outage"\n'
             "#    until: 2025-06-01T12:00:00Z  # RFC 3339, with Z or an offset"
         ),

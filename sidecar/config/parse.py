@@ -53,7 +53,11 @@ class _Parser:
         return {k: v for k, v in value.items() if k in allowed}
 
     def walk(
-        self, entries: tuple[schema.Entry, ...], raw: dict[str, Any], path: Path, base: dict[str, Any]
+        self,
+        entries: tuple[schema.Entry, ...],
+        raw: dict[str, Any],
+        path: Path,
+        base: dict[str, Any],
     ) -> dict[str, Any]:
         """The values of ``entries`` (by attribute): those written in ``raw``, checked, over
         ``base``; a problem is reported and leaves the base value."""

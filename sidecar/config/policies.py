@@ -78,7 +78,7 @@ class RetryPolicy:
         note="total tries including the first (hedges included)",
         help=(
             "total tries including the first (1 to 10), hedges included; 1 = no retries. The "
-            "budget and the throttle may allow fewer (see \"Storm control\": at 100 req/s the "
+            'budget and the throttle may allow fewer (see "Storm control": at 100 req/s the '
             "budget allows 0.6 retries per request on average, where nginx's 3 tries allow 2)"
         ),
     )
@@ -166,7 +166,9 @@ class BreakerPolicy:
     failure_ratio: float = key(0.95, c.ratio)
     min_sequences: int = key(20, c.int_range(1, 1_000_000))
     window: float = key(10.0, c.positive_duration, unit="duration")
-    open_for: float = key(1.0, c.positive_duration, unit="duration", note="doubled on each reopen...")
+    open_for: float = key(
+        1.0, c.positive_duration, unit="duration", note="doubled on each reopen..."
+    )
     max_open_for: float = key(30.0, c.positive_duration, unit="duration", note="...up to this")
     half_open_probes: int = key(
         3, c.int_range(1, 1000), note="judged during the half-open ramp before it decides"

@@ -95,12 +95,12 @@ def entries(cls: type) -> Iterator[Entry]:
         if not isinstance(spec, Key):
             continue
         default: Any = f.default
-        sub = None
+        sub: type | None = None
         if f.default_factory is not MISSING:
-            if spec.check is None:
-                sub = f.default_factory
-                assert isinstance(sub, type)
-            default = f.default_factory()
+            factory = f.default_factory
+            if spec.check is None and isinstance(factory, type):
+                sub = factory
+            default = factory()
         yield Entry(f.name, spec.yaml or f.name, spec, default, sub)
 
 
