@@ -93,10 +93,12 @@ def as_yaml(keys: dict[str, tuple[str, Any]]) -> str:
     return "\n".join(f"    {k}: {flow(v)}" for k, v in tree.items())
 
 
-def doc(up: str, route_keys: str = "") -> str:
+def doc(up: str, route_keys: str = "", dlq: str = "") -> str:
+    """A config whose DLQ, should a route turn it on, lives in ``dlq`` (a test's directory)."""
     return f"""version: 1
 listen: "127.0.0.1:0"
 admin: {{listen: "127.0.0.1:0"}}
+dlq: {{path: "{dlq or '/nonexistent/dlq.sqlite3'}"}}
 routes:
   - name: main
     upstream: "{up}"
@@ -133,11 +135,12 @@ async def test_a_reload_changing_every_per_route_key_reaches_each_owner(
 
     up = await upstream_factory(ok)
     cfg = tmp_path / "sidecar.yaml"
-    cfg.write_text(doc(up.url))
+    dlq = str(tmp_path / "dlq.sqlite3")
+    cfg.write_text(doc(up.url, dlq=dlq))
     sc = await sidecar_factory(cfg.read_text(), config_path=str(cfg))
     keys = per_route_keys()
     assert len(keys) >= 50  # every key of every section, walked from the schema
-    cfg.write_text(doc(up.url, as_yaml(keys)))
+    cfg.write_text(doc(up.url, as_yaml(keys), dlq))
     result = await sc.sidecar.reload("test")
     assert result is not None and result.ok and result.changed, result
     route = sc.sidecar.store.current.route("main")
