@@ -1,226 +1,211 @@
 """The validated configuration: frozen dataclasses, built once per load by ``parse``.
 
 A request reads one ``Config`` snapshot and keeps it for all of its attempts; a reload builds a
-whole new ``Config`` and swaps one reference (see ``store``).
+whole new ``Config`` and swaps one reference (see ``store``). Each field declared with ``key``
+or ``section`` is a key of the file: its default, check, help and reload rule are written there
+once (``schema``); the per-route sections are in ``policies``.
 """
 
 from __future__ import annotations
 
-import ipaddress
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+import socket
+from dataclasses import dataclass
 
+from sidecar.config import checks as c
+from sidecar.config.policies import (
+    AutoTimeout,
+    Backoff,
+    BackoffStrategy,
+    BreakerPolicy,
+    BudgetPolicy,
+    BulkheadPolicy,
+    DlqRespond,
+    HedgePolicy,
+    NonIdempotent,
+    RedrivePolicy,
+    RetryAfter,
+    RetryPolicy,
+    RouteDlq,
+    ThrottlePolicy,
+    UpgradePolicy,
+)
+from sidecar.config.schema import key, section
 from sidecar.config.units import MAX_SIZE
+from sidecar.config.values import (
+    HEDGE_METHODS,
+    IDEMPOTENT_METHODS,
+    IpNetwork,
+    Listen,
+    PathPattern,
+    RetryOn,
+    Upstream,
+)
 
-BackoffStrategy = Literal[
-    "full_jitter", "equal_jitter", "decorrelated_jitter", "exponential", "constant"
+__all__ = [
+    "HEDGE_METHODS",
+    "IDEMPOTENT_METHODS",
+    "UNLIMITED_SIZE",
+    "Admin",
+    "AutoTimeout",
+    "Backoff",
+    "BackoffStrategy",
+    "BreakerPolicy",
+    "BudgetPolicy",
+    "BulkheadPolicy",
+    "Config",
+    "DlqFile",
+    "DlqRespond",
+    "FileKillSwitch",
+    "HedgePolicy",
+    "IpNetwork",
+    "Limits",
+    "Listen",
+    "Match",
+    "NonIdempotent",
+    "PathPattern",
+    "RedrivePolicy",
+    "RetryAfter",
+    "RetryOn",
+    "RetryPolicy",
+    "Route",
+    "RouteDlq",
+    "ThrottlePolicy",
+    "UpgradePolicy",
+    "Upstream",
+    "UpstreamPool",
 ]
-NonIdempotent = Literal["never", "with-idempotency-key", "always"]
-DlqRespond = Literal["passthrough", "accepted"]
-
-IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-
-@dataclass(frozen=True, slots=True)
-class Backoff:
-    strategy: BackoffStrategy = "full_jitter"
-    base: float = 0.025
-    max: float = 0.25
-
-
-@dataclass(frozen=True, slots=True)
-class RetryOn:
-    """The outcomes that may be retried."""
-
-    connect_failure: bool = True
-    reset: bool = True
-    per_try_timeout: bool = True
-    statuses: frozenset[int] = frozenset({502, 503, 504})
-
-
-@dataclass(frozen=True, slots=True)
-class RetryAfter:
-    honor: bool = True
-    max: float = 30.0
-
-
-@dataclass(frozen=True, slots=True)
-class AutoTimeout:
-    """``retry.per_try_timeout: auto``: ``multiplier`` x the ``percentile`` of the route's
-    recent attempt latencies, clamped to [min, max]. When it expires, an attempt that may be
-    hedged is raced by a new one (never abandoned); any other attempt waits for the deadline."""
-
-    percentile: float = 0.95
-    multiplier: float = 2.0
-    min: float = 0.05
-    max: float = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class RetryPolicy:
-    attempts: int = 3
-    # None is ``auto`` (see AutoTimeout); a number is a fixed per-try timeout: the attempt is
-    # abandoned when it expires and counts as a per-try-timeout failure.
-    per_try_timeout: float | None = None
-    auto_timeout: AutoTimeout = field(default_factory=AutoTimeout)
-    backoff: Backoff = field(default_factory=Backoff)
-    retry_on: RetryOn = field(default_factory=RetryOn)
-    retry_after: RetryAfter = field(default_factory=RetryAfter)
-    non_idempotent: NonIdempotent = "with-idempotency-key"
-    max_body_bytes: int = 64 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class BreakerPolicy:
-    enabled: bool = True
-    # "Down", not "degraded": a 60% partial failure is the throttle's business, and a breaker
-    # that opens on it turns a 60% failure into a 100% one.
-    failure_ratio: float = 0.95
-    min_sequences: int = 20
-    window: float = 10.0
-    open_for: float = 1.0  # the first time it opens; doubled on each reopen up to max_open_for
-    max_open_for: float = 30.0
-    half_open_probes: int = 3  # ramp sequences judged before the half-open state may decide
-    ramp: float = 1.0  # half-open admits a share of traffic growing from 0 to all over this
-
-
-@dataclass(frozen=True, slots=True)
-class BudgetPolicy:
-    ratio: float = 0.5
-    min_per_second: float = 10.0
-    window: float = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class BulkheadPolicy:
-    max_concurrent: int = 1000
-    queue_timeout: float = 1.0
-    # The adaptive concurrency limit: upstream attempts in flight follow latency between
-    # min_concurrent and max_concurrent (a gradient limit, as Envoy's adaptive-concurrency).
-    # Opt-in, as Envoy's filter is: it reads long-polls and slow handlers as overload and
-    # refuses requests that the app, asked directly, would answer.
-    adaptive: bool = False
-    min_concurrent: int = 5
-
-
-@dataclass(frozen=True, slots=True)
-class ThrottlePolicy:
-    """Adaptive throttling (Google SRE book, "Handling Overload") of the attempts the sidecar
-    adds (retries and hedges): refused with probability
-    max(0, (requests - k * accepts) / (requests + 1)) over ``window``."""
-
-    enabled: bool = True
-    k: float = 2.0
-    window: float = 1.0  # short: an outage is seen within half a second, not a minute
-    min_requests: int = 10
-
-
-# RFC 9110 section 9.2.2 (what may be retried after its bytes may have reached the upstream).
-IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
-# What a route that turns hedging on hedges unless it lists more (``hedge.methods``): the safe
-# methods, whose duplicate cannot change what the winner answers.
-HEDGE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-
-
-@dataclass(frozen=True, slots=True)
-class HedgePolicy:
-    """Hedged requests, opt-in per route (as Envoy's and gRPC's): an attempt of one of
-    ``methods`` still running when the per-try timeout expires is raced by another one
-    (preferably to another endpoint); the first answer wins and the others are cancelled.
-    Never a request with an Idempotency-Key: a second copy in flight while the first runs is
-    what such a server refuses (409). RFC 9110's idempotency promises the same effect of a
-    repeated request, not the same response: a hedged DELETE or ``If-Match`` PUT whose copy
-    wins answers 404 or 412 for a write that was applied, so writes are hedged only when the
-    route lists them. Hedges draw from their own budget: at most ``ratio`` of the requests in
-    ``window`` plus ``min_per_second``."""
-
-    enabled: bool = False
-    methods: frozenset[str] = HEDGE_METHODS
-    ratio: float = 0.1
-    min_per_second: float = 1.0
-    window: float = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class UpgradePolicy:
-    """HTTP Upgrade (WebSocket and others): passed through as a tunnel when enabled (the
-    upstream's 101 relayed, then bytes both ways), cut after ``idle_timeout`` without a byte
-    either way. Disabled, an upgrade request is an ordinary request without its ``Upgrade``,
-    as nginx sends it without upgrade configuration."""
-
-    enabled: bool = True
-    idle_timeout: float = 3600.0  # Envoy's TCP proxy idle timeout
-
-
-@dataclass(frozen=True, slots=True)
-class RedrivePolicy:
-    enabled: bool = False
-    interval: float = 30.0
-
-
-@dataclass(frozen=True, slots=True)
-class RouteDlq:
-    enabled: bool = False
-    respond: DlqRespond = "passthrough"
-    keep_credentials: bool = False
-    max_replays: int = 5
-    replay_rate: float = 50.0
-    redrive: RedrivePolicy = field(default_factory=RedrivePolicy)
-    # Lower-case header names never stored with a record (beyond the credentials, which
-    # keep_credentials governs).
-    drop_headers: frozenset[str] = frozenset()
-
-
-class PathPattern(Protocol):
-    """A compiled ``path_regex`` (RE2's, see config/parse.py): its source and a full match."""
-
-    @property
-    def pattern(self) -> str: ...
-
-    def fullmatch(self, text: str) -> object | None: ...
 
 
 @dataclass(frozen=True, slots=True)
 class Match:
-    path: str | None = None
-    path_prefix: str | None = None
-    path_regex: PathPattern | None = None
-    methods: frozenset[str] | None = None
-    # (lower-case header name, exact value) pairs; all must be present.
-    headers: tuple[tuple[str, str], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Upstream:
-    host: str
-    port: int
-
-    @property
-    def authority(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-    def __str__(self) -> str:
-        return f"http://{self.authority}"
+    path: str | None = key(None, c.url_path)
+    path_prefix: str | None = key(None, c.url_path)
+    path_regex: PathPattern | None = key(None, c.regex, show=lambda p: p and p.pattern)
+    methods: frozenset[str] | None = key(None, c.methods)
+    # (lower-case header name, exact value) pairs; all must be present (parsed by parse.py).
+    headers: tuple[tuple[str, str], ...] = key((), None, own=True, show=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    name: str
-    match: Match
-    upstreams: tuple[Upstream, ...]  # one or more endpoints (a DNS name may add more)
-    timeout: float
-    retry: RetryPolicy
-    breaker: BreakerPolicy
-    budget: BudgetPolicy
-    bulkhead: BulkheadPolicy
-    dlq: RouteDlq
+    name: str = key(
+        check=c.route_name,
+        required="required",
+        help="letters, digits, `_ . -`; used as the metric label",
+    )
+    match: Match = key(
+        check=None,
+        own=True,
+        default_doc="match all",
+        help=(
+            "`path` (exact), `path_prefix`, `path_regex` (full match, RE2 syntax as Envoy's "
+            "`safe_regex`: matching time is linear in the path, so no path a client sends can "
+            "make a pattern backtrack for hours; no lookaround or backreferences), `methods`, "
+            "`headers` (exact values); all given must hold. Paths are matched on the raw target "
+            "as sent, before `?`, without decoding; an absolute-form target (`GET "
+            "http://host/path`) is matched by its path"
+        ),
+    )
+    # one or more endpoints (a DNS name may add more)
+    upstreams: tuple[Upstream, ...] = key(
+        check=c.upstreams,
+        yaml="upstream",
+        required="required: the upstream URL, e.g. http://127.0.0.1:8080",
+        show=lambda us: [str(u) for u in us],
+        help=(
+            "`http://host:port`, or a list of them: the route's endpoints (up to 64). A host "
+            "name stands for every address it resolves to, re-resolved every "
+            "`upstream_pool.dns_refresh`; a failed lookup keeps the addresses it had. Attempts "
+            'take the endpoints in turn; see "Storm control"'
+        ),
+    )
+    # The route timeout matches nginx's proxy_read_timeout (60 s): a slow answer the upstream
+    # gives directly must not become a 504 through the sidecar.
+    timeout: float = key(
+        60.0,
+        c.positive_duration,
+        unit="duration",
+        note="deadline of the whole retry sequence (nginx waits 60 s too)",
+        help=(
+            "deadline of the whole retry sequence, from when the request has been received: a "
+            "buffered body included; for a streamed body (over `max_body_bytes`) it starts "
+            "again once that body has been received, as Envoy's route timeout starts at the "
+            "end of the request. It bounds the wait for the response head, not the relaying of "
+            "its body (see `stream_idle_timeout`). 60 s as nginx's `proxy_read_timeout`: an "
+            "answer slower than a few seconds that the upstream gives directly is not turned "
+            "into a 504"
+        ),
+    )
     # The longest silence between two reads of a response body being relayed (after the head,
     # which per_try_timeout bounds); nginx's proxy_read_timeout, 60 s.
-    stream_idle_timeout: float = 60.0
-    throttle: ThrottlePolicy = field(default_factory=ThrottlePolicy)
-    hedge: HedgePolicy = field(default_factory=HedgePolicy)
-    upgrade: UpgradePolicy = field(default_factory=UpgradePolicy)
+    stream_idle_timeout: float = key(
+        60.0,
+        c.positive_duration,
+        unit="duration",
+        note="longest silence while relaying a response body",
+        help=(
+            "the longest silence between two reads of a response body being relayed, after its "
+            "head (nginx's `proxy_read_timeout`, 60 s); a body that stalls longer is cut. Per "
+            "route like `timeout`"
+        ),
+    )
+    retry: RetryPolicy = section(RetryPolicy, rows=True)
+    breaker: BreakerPolicy = section(
+        BreakerPolicy,
+        note='for "down": sequences that failed after their whole policy',
+        help='the breaker for "down"; see "Storm control"',
+    )
+    budget: BudgetPolicy = section(
+        BudgetPolicy, flow=True, help='the retry budget; see "Storm control"'
+    )
+    throttle: ThrottlePolicy = section(
+        ThrottlePolicy,
+        flow=True,
+        note="retries and hedges only",
+        help='adaptive throttling of retries and hedges; see "Storm control"',
+    )
+    hedge: HedgePolicy = section(
+        HedgePolicy,
+        flow=True,
+        note=(
+            "Hedging is opt-in per route: a hedge is a second copy of a request still in "
+            "progress.\nOnly the methods listed (idempotent ones only), never a request with an "
+            "Idempotency-Key.\n"
+        ),
+        help=(
+            "hedged requests, opt-in per route, and their budget; `methods`: what a route that "
+            "turns hedging on hedges (idempotent methods only; never a request with an "
+            '`Idempotency-Key`); see "Storm control"'
+        ),
+    )
+    bulkhead: BulkheadPolicy = section(
+        BulkheadPolicy,
+        flow=True,
+        help=(
+            "the bulkhead and the adaptive concurrency limit, opt-in (`adaptive: true`) as "
+            "Envoy's: it reads long-polls and slow handlers as overload and would refuse them; "
+            'see "Storm control"'
+        ),
+    )
+    upgrade: UpgradePolicy = section(
+        UpgradePolicy,
+        flow=True,
+        note="WebSocket & co: tunnelled, cut after 1 h idle",
+        help=(
+            'HTTP Upgrade (WebSocket, any protocol): see "Upgrades (WebSocket)". `idle_timeout`: '
+            "a tunnel with no byte either way for this long is closed (Envoy's TCP proxy idle "
+            "timeout; nginx cuts at its `proxy_read_timeout`, 60 s). `enabled: false` sends an "
+            "upgrade request as an ordinary request without `Upgrade`, as nginx without upgrade "
+            "configuration does, and the app answers it (a WebSocket server: 426 or 400)"
+        ),
+    )
+    dlq: RouteDlq = section(
+        RouteDlq,
+        help=(
+            'see "Dead-letter queue"; `drop_headers` lists header names (any case) never stored '
+            "with a record, beyond the credentials; a route's list replaces the default's"
+        ),
+    )
 
     @property
     def upstream(self) -> Upstream:
@@ -229,29 +214,30 @@ class Route:
 
 
 @dataclass(frozen=True, slots=True)
-class Listen:
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-
-@dataclass(frozen=True, slots=True)
 class Admin:
-    listen: Listen = field(default_factory=lambda: Listen("127.0.0.1", 15000))
-    token_env: str | None = "RETRY_SIDECAR_ADMIN_TOKEN"
+    listen: Listen = key(Listen("127.0.0.1", 15000), c.listen, live=False)  # bound at start
+    # read from the environment at start
+    token_env: str | None = key("RETRY_SIDECAR_ADMIN_TOKEN", c.env_name, live=False)
     # Host names (lower case, no port) the admin listener answers besides the loopback names,
-    # its listen address and the address a connection arrived at (sidecar.admin.origin).
-    allowed_hosts: tuple[str, ...] = ()
+    # its listen address and the address a connection arrived at (sidecar.admin.origin); the
+    # admin guard reads it for every request.
+    allowed_hosts: tuple[str, ...] = key(
+        (),
+        c.host_names,
+        note=(
+            "Host names the admin API answers besides localhost, loopback addresses, the listen "
+            "address\nand the address a connection arrived at (a DNS-rebinding page sends a name "
+            "nobody listed).\n"
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class DlqFile:
-    path: str = "./data/dlq.sqlite3"
-    max_records: int = 100_000
-    max_bytes: int = 1024**3
+    # The open file is not swapped under in-flight writes; the bounds apply to the next record.
+    path: str = key("./data/dlq.sqlite3", c.non_empty_str, live=False)
+    max_records: int = key(100_000, c.int_range(1, 100_000_000))
+    max_bytes: int = key(1024**3, c.size, unit="size")
 
 
 # ``unlimited`` where a size may be: the largest size a config can hold.
@@ -260,35 +246,97 @@ UNLIMITED_SIZE = MAX_SIZE
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    max_header_bytes: int = 32 * 1024
-    header_timeout: float = 10.0
-    body_idle_timeout: float = 30.0
+    max_header_bytes: int = key(
+        32 * 1024, c.size, unit="size", help="request line plus headers; 431 beyond"
+    )
+    header_timeout: float = key(
+        10.0,
+        c.positive_duration,
+        unit="duration",
+        help="a request head must arrive within this, from its first byte; 408 otherwise",
+    )
+    body_idle_timeout: float = key(
+        30.0,
+        c.positive_duration,
+        unit="duration",
+        help=(
+            "a request body that sends nothing for this long gets 408 (and its upstream "
+            "request is aborted)"
+        ),
+    )
     # A client connection idle between requests is closed after this (nginx's default is 75 s;
-    # aiohttp's own is an hour). Each idle connection costs ~10 KB here.
-    keepalive_timeout: float = 75.0
+    # aiohttp's own is an hour). Each idle connection costs ~10 KB here. Given to aiohttp's
+    # server at start.
+    keepalive_timeout: float = key(
+        75.0,
+        c.positive_duration,
+        unit="duration",
+        live=False,
+        note="idle client connections are closed after this",
+        help=(
+            "a client connection idle between requests is closed after this (aiohttp's own "
+            "default is an hour; each idle connection costs ~10 KB). Changes need a restart"
+        ),
+    )
     # No limit by default (``unlimited``), as Envoy and Linkerd: bodies over the route's
     # retry.max_body_bytes are streamed, never held, so memory is bounded by what is buffered.
     # A 20 MiB git push or a 30 MiB package upload must pass as it does direct.
-    max_request_body: int = UNLIMITED_SIZE
+    max_request_body: int = key(
+        UNLIMITED_SIZE,
+        c.size_or_unlimited,
+        unit="size",
+        help=(
+            "a size, or `unlimited`: a larger Content-Length gets 413 before any upstream call; "
+            "a chunked body is cut with 413 when it crosses the limit. No limit by default, as "
+            "Envoy and Linkerd (nginx's 1 MiB default is set per app; a sidecar must pass a 20 "
+            "MiB `git push` or a 30 MiB package upload as direct): a body over "
+            "`retry.max_body_bytes` is streamed, never held, so memory is bounded by what is "
+            "buffered"
+        ),
+    )
     # A client that takes no response bytes for this long is cut, and everything its request
     # held (bulkhead slot, upstream connection, buffers) is given back (nginx's send_timeout).
-    send_timeout: float = 60.0
+    send_timeout: float = key(
+        60.0,
+        c.positive_duration,
+        unit="duration",
+        note="a client that takes no response bytes this long is cut",
+        help=(
+            "a client that takes no response bytes for this long (its socket buffer stays "
+            "full) is cut, and everything its request held (bulkhead slot, upstream "
+            "connection, buffers) is given back; as nginx's `send_timeout`, but measured as the "
+            "time the connection stays unwritable"
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class UpstreamPool:
     """The pooled keep-alive connections to each upstream (host, port)."""
 
-    max_connections: int = 1024
-    wait_timeout: float = 1.0  # waiting for a free connection, separate from connecting
-    connect_timeout: float = 1.0
+    max_connections: int = key(1024, c.int_range(1, 100_000))
+    # waiting for a free connection, separate from connecting
+    wait_timeout: float = key(
+        1.0, c.duration, unit="duration", note="for a free connection (then 503 pool-exhausted)"
+    )
+    connect_timeout: float = key(1.0, c.positive_duration, unit="duration")
     # Closed after this long unused. Keep it below the upstream's own keep-alive timeout
     # (Node.js 5 s, gunicorn 2 s, nginx 75 s), so the upstream never closes a connection
     # just as the sidecar reuses it.
-    idle_timeout: float = 4.0
+    idle_timeout: float = key(
+        4.0,
+        c.positive_duration,
+        unit="duration",
+        note="keep below the upstream's own keep-alive timeout",
+    )
     # Upstream host names are resolved to all their addresses (each one an endpoint) and
     # re-resolved this often.
-    dns_refresh: float = 5.0
+    dns_refresh: float = key(
+        5.0,
+        c.positive_duration,
+        unit="duration",
+        note="upstream host names: every address is an endpoint, re-resolved",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,19 +350,126 @@ class FileKillSwitch:
     index: int  # its position in the list: killswitches[index]
 
 
+_ROUTES_EXAMPLE = """
+  - name: orders
+    match: {path_prefix: /orders, methods: [GET, POST]}
+    # match also takes path: /exact, path_regex: "/v[0-9]+/.*" (RE2, whole path) and
+    # headers: {x-tenant: blue} (exact values); every one given must hold. Default: all.
+    upstream: "http://127.0.0.1:8080"
+    retry: {attempts: 4}
+    dlq: {enabled: true}
+  - name: default
+    match: {path_prefix: /}
+    upstream: "http://127.0.0.1:8080"   # or a list: ["http://10.0.0.1:8080", "http://10.0.0.2:8080"]"""
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
-    version: int
-    name: str
-    listen: Listen
-    admin: Admin
-    trusted_peers: tuple[IpNetwork, ...]
-    dlq: DlqFile
-    limits: Limits
-    drain_timeout: float
-    routes: tuple[Route, ...]
-    upstream_pool: UpstreamPool = field(default_factory=UpstreamPool)
-    killswitches: tuple[FileKillSwitch, ...] = ()
+    version: int = key(
+        check=c.int_range(1, 1),
+        required="required (the only supported version is 1)",
+        example="1",
+        help="must be `1`",
+    )
+    name: str = key(
+        check=c.name,
+        factory=socket.gethostname,
+        default_doc="hostname",
+        example='"orders-sidecar"',
+        note="sent upstream in x-retry-edge (default: the hostname)",
+        help="this sidecar's name, sent upstream in `x-retry-edge`",
+    )
+    listen: Listen = key(
+        Listen("0.0.0.0", 15001),
+        c.listen,
+        live=False,  # the proxy socket is bound at start
+        example='"127.0.0.1:15001"',
+        note="the proxy listener; use 0.0.0.0:15001 in a container",
+        help="proxy listener, `host:port` (IP address or `localhost`)",
+    )
+    admin: Admin = section(
+        Admin,
+        help=(
+            'see "Operating it"; `allowed_hosts`: host names (no port) the admin API answers '
+            "besides loopback names and addresses, the listen address and the address a "
+            "connection arrived at"
+        ),
+    )
+    trusted_peers: tuple[IpNetwork, ...] = key(
+        c.networks(["127.0.0.0/8", "::1/128"]),
+        c.networks,
+        flow=True,
+        note="peers whose x-retry-* headers are honoured",
+        help="peers whose `x-retry-edge` / `x-request-timeout-ms` are obeyed",
+    )
+    dlq: DlqFile = section(DlqFile, help="the DLQ file and its bounds")
+    limits: Limits = section(Limits, rows=True)
+    drain_timeout: float = key(
+        20.0,  # applies to the next drain
+        c.duration,
+        unit="duration",
+        help="how long in-flight requests get after SIGTERM",
+    )
+    # One process per sidecar, decided: several workers would each keep their own breaker,
+    # budget, kill switch and DLQ writer, silently dividing every threshold. Scale with
+    # replicas (each its own sidecar) instead.
+    workers: int = key(
+        1,
+        c.only_one_worker,
+        note="only 1: one process per sidecar; scale with replicas",
+        help=(
+            "only 1: one process per sidecar (breaker, budget, kill switch and DLQ are per "
+            "process); scale with replicas"
+        ),
+    )
+    upstream_pool: UpstreamPool = section(
+        UpstreamPool,
+        live=False,  # the pools are built at start
+        note="keep-alive connections to each upstream",
+        help=(
+            "keep-alive connections per upstream endpoint; `wait_timeout` bounds the wait for a "
+            "free one (then 503 `pool-exhausted`; a wait that the attempt's own time -- per-try "
+            "timeout or deadline -- ends first is no time left, as for the bulkhead: 504 "
+            "`deadline` once the deadline is spent), separate from `connect_timeout`; keep "
+            "`idle_timeout` below the upstream's own keep-alive timeout; `dns_refresh`: how "
+            "often upstream host names are looked up again. Changes need a restart "
+            "(`dns_refresh` applies at once)"
+        ),
+    )
+    # File kill switches are re-applied on every (re)load.
+    killswitches: tuple[FileKillSwitch, ...] = key(
+        (),
+        None,
+        own=True,
+        example=(
+            '[]\n#  - scope: route:orders          # or "global"\n'
+            '#    reason: "INC-123 retries amplify the outage"\n'
+            "#    until: 2025-06-01T12:00:00Z  # RFC 3339, with Z or an offset"
+        ),
+        note=(
+            "Fleet-wide kill switches: retries off (one attempt) for a scope until a time. "
+            "Applied on every\n(re)load, so one ConfigMap edit reaches every pod; delete the "
+            "entry to lift it everywhere.\nAn entry whose `until` has passed is ignored with a "
+            "warning.\n"
+        ),
+        help=(
+            "fleet-wide kill switches: a list of `{scope: global \\| route:<name>, reason, "
+            'until: <RFC 3339 time>}`; see "In an incident"'
+        ),
+    )
+    routes: tuple[Route, ...] = key(
+        (),
+        None,
+        own=True,
+        required="required: at least one route",
+        example=_ROUTES_EXAMPLE,
+        note="first match wins",
+        help=(
+            "the routes, first match wins; each takes the keys below. Every key below but "
+            "`name`, `match` and `upstream` may also be set in `defaults`, which every route "
+            "inherits"
+        ),
+    )
     source: str = "<memory>"
     sha256: str = ""
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from sidecar.config.errors import ConfigError, ConfigIssue
 from sidecar.config.model import Config
 from sidecar.config.parse import parse_bytes, read_file
+from sidecar.config.schema import reload_rules
 from sidecar.config.store import ConfigStore
 
 log = logging.getLogger("sidecar.config")
@@ -37,34 +38,13 @@ class ReloadResult:
     restart_required: list[str] = field(default_factory=list)
 
 
-# How a reload treats every key of the file. "live": the new value is in force for the next
-# request (or, for drain_timeout, the next drain; for dlq.max_records/max_bytes, the next record
-# stored). "restart": the running process keeps what it started with and the key is reported in
-# ``restart_required`` (and logged) until the file and the process agree again. A key not listed
-# here is classified by its parent. tests/test_reload.py fails when a key is added to the
-# model without being listed here.
-RELOAD_RULES: dict[str, str] = {
-    "version": "live",
-    "name": "live",
-    "listen": "restart",  # the proxy socket is bound at start
-    "admin.listen": "restart",  # the admin socket is bound at start
-    "admin.token_env": "restart",  # the token is read from the environment at start
-    "admin.allowed_hosts": "live",  # the admin guard reads it for every request
-    "trusted_peers": "live",
-    "killswitches": "live",  # file kill switches are re-applied on every (re)load
-    "dlq.path": "restart",  # the open file is not swapped under in-flight writes
-    "dlq.max_records": "live",
-    "dlq.max_bytes": "live",
-    "limits.max_header_bytes": "live",
-    "limits.header_timeout": "live",
-    "limits.body_idle_timeout": "live",
-    "limits.max_request_body": "live",
-    "limits.keepalive_timeout": "restart",  # given to aiohttp's server at start
-    "limits.send_timeout": "live",
-    "drain_timeout": "live",
-    "upstream_pool": "restart",  # the pools are built at start
-    "routes": "live",
-}
+# How a reload treats every key of the file, derived from the schema (each key's ``live``,
+# declared where the key is, in config/model.py and config/policies.py). "live": the new value
+# is in force for the next request (or, for drain_timeout, the next drain; for
+# dlq.max_records/max_bytes, the next record stored). "restart": the running process keeps what
+# it started with and the key is reported in ``restart_required`` (and logged) until the file
+# and the process agree again.
+RELOAD_RULES: dict[str, str] = reload_rules(Config)
 
 
 def _value(config: Config, key: str) -> object:

@@ -1,0 +1,199 @@
+"""What the schema renders: the README's key table, the example file with every default, and a
+config as ``GET /config`` shows it. ``python3 -m sidecar.config.render`` rewrites the README's
+table and ``config/sidecar.yaml``; tests/test_config_docs.py fails when either has drifted."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import sys
+from dataclasses import MISSING
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sidecar.config import schema
+from sidecar.config.model import Config, Route
+from sidecar.config.units import MAX_SIZE
+
+TABLE_BEGIN = "<!-- config-table:begin -->"
+TABLE_END = "<!-- config-table:end -->"
+HEADER = (
+    "# retry-sidecar policy. Edit, then check with: retry-sidecar validate config/sidecar.yaml\n"
+    '# Reference: README.md "Configuration". Every key is shown with its default; this file is\n'
+    "# generated from the schema (python3 -m sidecar.config.render).\n"
+)
+NOTE_COLUMN = 34
+_PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("h", 3600), ("s", 1)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds * 1000:g}ms"
+
+
+def _size(n: int) -> str:
+    if n == MAX_SIZE:
+        return "unlimited"
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def written(value: Any, key: schema.Key | None = None) -> str:
+    """``value`` as the config file writes it (YAML flow style)."""
+    if key is not None and key.show is not None:
+        value = key.show(value)
+    unit = key.unit if key is not None else ""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if unit == "duration" and isinstance(value, int | float):
+        return _duration(value)
+    if unit == "size" and isinstance(value, int):
+        return _size(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, frozenset | set):
+        return "[" + ", ".join(written(v) for v in sorted(value)) + "]"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(written(v) for v in value) + "]"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and _of(value):
+        return _flow(value)
+    text = str(value)
+    if _PLAIN.fullmatch(text) and yaml.safe_load(text) == text:
+        return text
+    return json.dumps(text)
+
+
+def _flow(value: object) -> str:
+    parts = [f"{e.name}: {written(getattr(value, e.attr), e.key)}" for e in _of(value)]
+    return "{" + ", ".join(parts) + "}"
+
+
+def _of(value: object) -> list[schema.Entry]:
+    return list(schema.entries(type(value)))
+
+
+# -- the example file -----------------------------------------------------------------------
+
+
+def _line(text: str, note: str) -> str:
+    if not note:
+        return text
+    return f"{text.ljust(NOTE_COLUMN - 2)}  # {note}"
+
+
+def _entry_lines(e: schema.Entry, value: Any, indent: int) -> list[str]:
+    pad = " " * indent
+    above, _, trailing = e.key.note.rpartition("\n")
+    lines = [f"{pad}# {line}" for line in above.split("\n") if line] if above else []
+    if e.section is not None and not e.key.flow:
+        lines.append(_line(f"{pad}{e.name}:", trailing))
+        for sub in _of(value):
+            lines.extend(_entry_lines(sub, getattr(value, sub.attr), indent + 2))
+        return lines
+    first, _, rest = (e.key.example or written(value, e.key)).partition("\n")
+    lines.append(_line(f"{pad}{e.name}: {first}".rstrip(), trailing))
+    if rest:
+        lines.extend(rest.split("\n"))
+    return lines
+
+
+def example_file() -> str:
+    """``config/sidecar.yaml``: every key with its default, commented from the schema."""
+    lines = [HEADER.rstrip("\n")]
+    for e in schema.entries(Config):
+        if e.attr == "routes":
+            lines.append("defaults:")
+            for r in schema.entries(Route):
+                if r.default is not MISSING:
+                    lines.extend(_entry_lines(r, r.default, 2))
+        lines.extend(_entry_lines(e, e.default, 0))
+    return "\n".join(lines) + "\n"
+
+
+# -- the README's table ---------------------------------------------------------------------
+
+
+def _rows(cls: type, prefix: str) -> list[str]:
+    out = []
+    for e in schema.entries(cls):
+        label = prefix + e.name
+        if e.section is not None and e.key.rows:
+            out.extend(_rows(e.section, label + "."))
+            continue
+        if e.key.default_doc:
+            default = e.key.default_doc
+        elif e.key.required:
+            default = "required"
+        else:
+            default = f"`{written(e.default, e.key)}`"
+        if not e.key.help:
+            raise ValueError(f"{label}: a key the README lists needs help text")
+        out.append(f"| `{label}` | {default} | {e.key.help} |")
+        if e.attr == "routes":
+            out.extend(_rows(Route, "routes[]."))
+    return out
+
+
+def key_table() -> str:
+    return "\n".join(["| key | default | meaning |", "|---|---|---|", *_rows(Config, "")])
+
+
+def with_table(readme: str) -> str:
+    """``readme`` with the text between the table's markers replaced by ``key_table()``."""
+    head, begin, rest = readme.partition(TABLE_BEGIN)
+    _, end, tail = rest.partition(TABLE_END)
+    if not begin or not end:
+        raise ValueError("the README has no config-table markers")
+    return f"{head}{TABLE_BEGIN}\n{key_table()}\n{TABLE_END}{tail}"
+
+
+# -- GET /config ----------------------------------------------------------------------------
+
+
+def as_json(value: Any, key: schema.Key | None = None) -> Any:
+    """A config value as JSON: a section as an object of every key it declares; durations in
+    seconds, sizes in bytes, ``None`` (auto, unset) as null."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and _of(value):
+        return {e.name: as_json(getattr(value, e.attr), e.key) for e in _of(value)}
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if key is not None and key.show is not None:
+        return as_json(key.show(value))
+    if isinstance(value, frozenset | set):
+        return sorted(as_json(v) for v in value)
+    if isinstance(value, list | tuple):
+        return [as_json(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): as_json(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: as_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return str(value)
+
+
+def settings_json(config: Config) -> dict[str, Any]:
+    """Every top-level key but the routes (which ``GET /config`` lists one by one)."""
+    return {
+        e.name: as_json(getattr(config, e.attr), e.key) for e in _of(config) if e.attr != "routes"
+    }
+
+
+def main(root: str = ".") -> None:
+    base = Path(root)
+    readme = base / "README.md"
+    readme.write_text(with_table(readme.read_text()))
+    (base / "config" / "sidecar.yaml").write_text(example_file())
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
