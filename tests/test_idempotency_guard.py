@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sqlite3
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 import uvloop
 
+from sidecar.idempotency import guard as guard_module
 from sidecar.idempotency.answer import Answer, Forwarded
 from sidecar.idempotency.fingerprint import NO_SCOPE, fingerprint, stored_key
 from sidecar.idempotency.guard import GuardResult, RequestView, guarded
@@ -25,6 +25,7 @@ from sidecar.idempotency.policy import IdempotencyPolicy
 from sidecar.idempotency.sqlite import SqliteIdempotencyStore
 from sidecar.idempotency.store import Claimed
 from sidecar.testing import FakeClock
+from tests.wait import until
 
 Run = Callable[[Callable[[], Awaitable[Any]]], Any]
 POLICY = IdempotencyPolicy(enabled=True, max_response_bytes=64)
@@ -257,37 +258,32 @@ def test_a_timeout_or_an_exception_around_forward_releases_the_key(
 
 
 def test_a_cancellation_while_completing_still_completes(
-    run: Run, tmp_path: Path, clock: FakeClock
+    run: Run, store: SqliteIdempotencyStore, clock: FakeClock
 ) -> None:
-    path = tmp_path / "idem.sqlite3"
-    store = SqliteIdempotencyStore(str(path), clock, busy_timeout_ms=30_000)
-    store.open()
-    blocker = sqlite3.connect(path, isolation_level=None)
+    """The app answered, and the client leaves at that instant: the cancellation reaches the
+    guard at its next await, the store call that completes the key. It still completes."""
 
     async def main() -> None:
         async def forward() -> Forwarded:
-            blocker.execute("BEGIN IMMEDIATE")  # the store's writer now waits for the lock
+            me = asyncio.current_task()
+            assert me is not None
+            me.cancel()  # delivered at the guard's next await
             return Forwarded(201, (), b"made", False)
 
-        task = asyncio.ensure_future(guarded(POLICY, store, view(), forward, clock))
-        await asyncio.sleep(0)
-        while not blocker.in_transaction:
-            await asyncio.sleep(0)
-        await asyncio.sleep(0)  # the guard is now awaiting its complete
-        task.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await task
-        blocker.execute("COMMIT")
-        record = await store.get(stored_key("k1", NO_SCOPE))
-        assert (
-            record is not None and record.finished and record.answer == KeptAnswer(201, (), b"made")
-        )
+            await guarded(POLICY, store, view(), forward, clock)
+        key = stored_key("k1", NO_SCOPE)
+        await until_settled()
+        record = await store.get(key)
+        assert record is not None and record.finished
+        assert record.answer == KeptAnswer(201, (), b"made")
 
-    try:
-        run(main)
-    finally:
-        blocker.close()
-        store.close()
+    run(main)
+
+
+async def until_settled() -> None:
+    """The shielded store calls the guard left running have ended."""
+    await until(lambda: not guard_module._settling, "the guard's settling calls to end")
 
 
 @pytest.mark.parametrize("mode", ["refuse", "pass"])
