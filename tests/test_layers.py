@@ -28,7 +28,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"__init__", "config", "lifecycle", "heaptrim", "jsonapi", "testing"}),
     frozenset({"retry", "upstream", "telemetry"}),
     frozenset({"engine", "explain"}),
-    frozenset({"proxy", "dlq"}),
+    frozenset({"proxy", "dlq", "idempotency"}),
     frozenset({"admin"}),
     frozenset({"app"}),
     frozenset({"demo"}),
@@ -37,9 +37,20 @@ LAYERS: tuple[frozenset[str], ...] = (
 )
 
 # What a package may import from a package of its own layer: the proxy calls the DLQ's capture
-# (with what a stored write is, and the store it writes to), nothing else of the DLQ.
+# (with what a stored write is, and the store it writes to), nothing else of the DLQ; and the
+# idempotency guard (with its settings, the answers it takes and gives, and the store's
+# contract), nothing else of the idempotency package.
 FACES: dict[tuple[str, str], frozenset[str]] = {
     ("proxy", "dlq"): frozenset({"sidecar.dlq.capture", "sidecar.dlq.record", "sidecar.dlq.store"}),
+    ("proxy", "idempotency"): frozenset(
+        {
+            "sidecar.idempotency.guard",
+            "sidecar.idempotency.answer",
+            "sidecar.idempotency.outcome",
+            "sidecar.idempotency.policy",
+            "sidecar.idempotency.store",
+        }
+    ),
 }
 
 

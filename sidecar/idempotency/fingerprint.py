@@ -1,0 +1,44 @@
+"""What makes two requests "the same", and the name a key is stored under. Pure.
+
+The fingerprint covers the method, the target as sent, a digest of the body and, when the route
+sets ``scope_header``, a digest of that header's value. The stored name of key K is the scope
+digest and K, so the same K from two clients (two ``Authorization`` values) is two keys: one
+client never reads another's answer (the draft's composite key). Only digests are stored, never
+the header's value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+NO_SCOPE = "-"
+
+
+def _digest(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for part in parts:  # length-prefixed: no two different part lists hash alike
+        h.update(len(part).to_bytes(8, "big"))
+        h.update(part)
+    return h.hexdigest()
+
+
+def scope_digest(headers: Iterable[tuple[bytes, bytes]], scope_header: str | None) -> str:
+    """NO_SCOPE when the route scopes nothing; else a digest of every value of the header, in
+    order (absent is not the same as empty)."""
+    if scope_header is None:
+        return NO_SCOPE
+    name = scope_header.lower().encode("latin-1")
+    values = [v for k, v in headers if k.lower() == name]
+    return _digest(b"scope", str(len(values)).encode(), *values)
+
+
+def fingerprint(method: str, target: bytes, body: bytes, scope: str) -> str:
+    return _digest(
+        method.encode("latin-1"), target, hashlib.sha256(body).digest(), scope.encode("ascii")
+    )
+
+
+def stored_key(key: str, scope: str) -> str:
+    """A key never holds a space (visible ASCII only), so the space separates unambiguously."""
+    return f"{scope} {key}"

@@ -1,0 +1,149 @@
+"""The seam: the one entry point the request handler calls for a route with ``idempotency``.
+
+``guarded`` judges the request (method, key), claims its key in the store, calls ``forward``
+(which sends the request upstream, through the route's retries, and gives back the app's answer
+with "the route would retry this") at most once, and keeps or releases the key. It owns the
+claim: on every exit -- a return, an exception from ``forward``, a cancellation half-way (the
+client gone), a timeout around it -- the key is completed or released, and that store call
+runs to its end even when the caller is cancelled meanwhile.
+
+What the handler does with the result: an ``Answer`` is the sidecar's own (a problem, a replay
+with ``Idempotent-Replayed: true``): sent as is, the app never called; a ``Forwarded`` is the
+app's answer, relayed as usual (or already streamed when its body is None). ``outcome`` is the
+``result`` label to count, None when the route does not guard this request (disabled, or a
+method it does not guard): ``forward`` was called as without the guard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar.core import Clock
+from sidecar.idempotency import problem
+from sidecar.idempotency.answer import Answer, Forwarded, Headers
+from sidecar.idempotency.decision import retry_after
+from sidecar.idempotency.fingerprint import fingerprint, scope_digest, stored_key
+from sidecar.idempotency.keep import Disposition, dispose, kept, replay
+from sidecar.idempotency.key import BadKey, NoKey, parse_key
+from sidecar.idempotency.outcome import IdempotencyOutcome as O
+from sidecar.idempotency.policy import IdempotencyPolicy
+from sidecar.idempotency.store import (
+    Busy,
+    Claimed,
+    Finished,
+    IdempotencyStore,
+    Mismatch,
+    StoreError,
+)
+
+log = logging.getLogger("sidecar.idempotency")
+
+Forward = Callable[[], Awaitable[Forwarded]]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """What the guard reads of a request."""
+
+    method: str
+    target: bytes  # as sent, query included
+    headers: Headers  # as they go upstream: hop-by-hop ones (and those Connection names) out
+    body: bytes  # whole: a guarded write's body is buffered so it can be fingerprinted
+    route_timeout: float  # the route's ``timeout``: the lease when the policy sets none
+
+
+@dataclass(frozen=True, slots=True)
+class GuardResult:
+    answer: Answer | Forwarded
+    outcome: O | None
+
+
+# Store calls that settle a claim, running on after their caller was cancelled: held here until
+# done (a task nobody references may be collected mid-flight).
+_settling: set[asyncio.Task[bool]] = set()
+
+
+def _done(task: asyncio.Task[bool]) -> None:
+    _settling.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("idempotency key not settled (left to its lease): %s", task.exception())
+
+
+async def _settle(call: Coroutine[Any, Any, bool]) -> bool | None:
+    """Complete or release a claim, to its end whatever happens to the caller; None when the
+    store failed (the key is then left in progress until its lease passes)."""
+    task = asyncio.ensure_future(call)
+    _settling.add(task)
+    task.add_done_callback(_done)
+    try:
+        return await asyncio.shield(task)
+    except StoreError:
+        return None
+
+
+async def guarded(
+    policy: IdempotencyPolicy,
+    store: IdempotencyStore,
+    request: RequestView,
+    forward: Forward,
+    clock: Clock,
+) -> GuardResult:
+    if not policy.guards(request.method):
+        return GuardResult(await forward(), None)
+    parsed = parse_key(request.headers)
+    if isinstance(parsed, BadKey):
+        return GuardResult(problem.invalid_key(parsed.reason, parsed.raw), O.INVALID)
+    if isinstance(parsed, NoKey):
+        if policy.required:
+            return GuardResult(problem.missing_key(), O.MISSING)
+        return GuardResult(await forward(), O.MISSING)
+    key = parsed.value
+    scope = scope_digest(request.headers, policy.scope_header)
+    fp = fingerprint(request.method, request.target, request.body, scope)
+    skey = stored_key(key, scope)
+    try:
+        claim = await store.claim(skey, fp, policy.lease_for(request.route_timeout))
+    except StoreError as exc:
+        log.warning("idempotency store unavailable (%s): %s", policy.on_store_error, exc)
+        if policy.on_store_error == "pass":
+            return GuardResult(await forward(), O.STORE_ERROR)
+        return GuardResult(problem.store_unavailable(key), O.STORE_ERROR)
+    if isinstance(claim, Busy):
+        return GuardResult(
+            problem.in_progress(key, retry_after(claim.expiry, clock.wall())), O.IN_PROGRESS
+        )
+    if isinstance(claim, Mismatch):
+        return GuardResult(problem.mismatch(key), O.MISMATCH)
+    if isinstance(claim, Finished):
+        assert claim.record.answer is not None
+        return GuardResult(replay(key, claim.record.answer), O.REPLAYED)
+    return await _run_claimed(policy, store, skey, claim, forward)
+
+
+async def _run_claimed(
+    policy: IdempotencyPolicy, store: IdempotencyStore, skey: str, claim: Claimed, forward: Forward
+) -> GuardResult:
+    try:
+        forwarded = await forward()
+    except BaseException:
+        # Failed, cancelled (the client gone) or timed out half-way: nobody knows whether the
+        # app acted, and nobody will hear its answer; the client's retry must be able to run.
+        await _settle(store.release(skey, claim.token))
+        raise
+    disposition = dispose(forwarded, policy.max_response_bytes)
+    if disposition is Disposition.RELEASE:
+        settled = await _settle(store.release(skey, claim.token))
+        outcome = O.RELEASED
+    else:
+        answer = kept(forwarded, disposition)
+        settled = await _settle(store.complete(skey, claim.token, answer, policy.ttl))
+        outcome = O.FIRST
+    if settled is None:
+        outcome = O.STORE_ERROR
+    elif claim.took_over:
+        outcome = O.LEASE_EXPIRED  # counted whatever came of it: the at-least-once window
+    return GuardResult(forwarded, outcome)

@@ -1,0 +1,92 @@
+"""The contract of an idempotency store, whatever keeps the keys.
+
+A key is in one of three states: absent, in progress (claimed, with a lease and a claim token)
+or finished (with its fingerprint and kept answer, until its ttl passes). ``claim`` reads and
+writes the key in one atomic step, deciding with ``decision.decide``; only the holder of the
+claim token may ``complete`` or ``release`` it (a compare-and-set), so a holder whose lease was
+taken over cannot overwrite the new holder's key.
+
+Every call is bounded by the store's own timeout: a store that cannot answer in time raises
+``StoreError`` and the caller applies the route's ``on_store_error``. A claim that timed out is
+undone by the store (it queues the release of its token), so it never holds a key nobody owns.
+
+How a Redis backend implements it (one string key per idempotency key, ``<prefix>:<stored key>``,
+a hash or a packed value: state, fingerprint, token, expiry, answer):
+
+- ``claim``: a Lua script, atomic on the server: ``GET``; if absent (or finished and expired):
+  ``SET key <held, fp, token> NX PX <lease>`` -> Claimed; finished, same fingerprint ->
+  Finished; another fingerprint -> Mismatch; held and its ``PTTL`` > 0 -> Busy(now + PTTL);
+  held past its lease -> overwrite with the new token -> Claimed (taken over). The key's own
+  ``PX`` is the lease plus the time an abandoned claim is kept, so Redis expires it by itself.
+- ``complete``: Lua compare-and-set: if the stored token equals ours, ``SET key <finished, fp,
+  answer> PX <ttl>``, else nothing (returns whether it wrote).
+- ``release``: Lua compare-and-delete on the token (``if token == ARGV[1] then DEL``).
+- ``get`` / ``forget``: ``GET`` / ``DEL``; ``prune``: nothing to do (``PX`` expires keys).
+- time: the server's clock (``TIME`` inside the script), so replicas need not agree on theirs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from sidecar.idempotency.keep import KeptAnswer
+
+
+class StoreError(Exception):
+    """The store could not answer (unreachable, failing, or slower than its timeout)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    token: str  # the claim's proof of ownership for complete/release
+    took_over: bool = False  # a dead holder's lease had passed (counted as lease-expired)
+
+
+@dataclass(frozen=True, slots=True)
+class Busy:
+    expiry: float  # wall clock: when the holder's lease ends
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    key: str  # the stored key (scope digest and key)
+    finished: bool
+    fingerprint: str
+    created_at: float  # wall clock: claimed (in progress) or completed (finished)
+    expires_at: float  # wall clock: lease end (in progress) or ttl end (finished)
+    answer: KeptAnswer | None  # the kept answer of a finished key
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    record: KeyRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    pass
+
+
+ClaimResult = Claimed | Busy | Finished | Mismatch
+
+
+class IdempotencyStore(Protocol):
+    async def claim(self, key: str, fingerprint: str, lease: float) -> ClaimResult: ...
+
+    async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> bool:
+        """True when the key was ours and is now finished; False when it was not ours any
+        more (taken over after our lease, or forgotten)."""
+        ...
+
+    async def release(self, key: str, token: str) -> bool:
+        """True when the key was ours and is now absent."""
+        ...
+
+    async def get(self, key: str) -> KeyRecord | None: ...
+
+    async def forget(self, key: str) -> bool: ...
+
+    async def prune(self, limit: int) -> int:
+        """Delete at most ``limit`` expired keys; the number deleted."""
+        ...
