@@ -40,7 +40,7 @@ def _candidates(default: Any) -> list[Any]:
     if isinstance(default, bool):
         return [not default]
     if default is None:
-        return [2.0]
+        return [2.0, "x-tenant"]
     if isinstance(default, int | float):
         return [default * 2, default / 2, default + 1]
     if isinstance(default, frozenset):

@@ -14,15 +14,15 @@ from sidecar.idempotency.answer import Answer, Forwarded
 from sidecar.idempotency.decision import Decision, KeyState, decide, retry_after
 from sidecar.idempotency.fingerprint import NO_SCOPE, fingerprint, scope_digest, stored_key
 from sidecar.idempotency.keep import Disposition, KeptAnswer, dispose, kept, replay
-from sidecar.idempotency.key import BadKey, Key, NoKey, parse_key, parse_value
+from sidecar.idempotency.key import BadKey, GoodKey, NoKey, parse_key, parse_value
 from sidecar.idempotency.policy import IdempotencyPolicy
 
 KEY_CASES = [
-    (b"abc", Key("abc")),
-    (b'"abc"', Key("abc")),  # the draft's sf-string names the same key as the bare form
-    (b"8e03978e-40d5-43e8-bc93-6894a57f9324", Key("8e03978e-40d5-43e8-bc93-6894a57f9324")),
-    (b'"a\\"b\\\\c"', Key('a"b\\c')),  # sf-string escapes
-    (b"k" * 255, Key("k" * 255)),
+    (b"abc", GoodKey("abc")),
+    (b'"abc"', GoodKey("abc")),  # the draft's sf-string names the same key as the bare form
+    (b"8e03978e-40d5-43e8-bc93-6894a57f9324", GoodKey("8e03978e-40d5-43e8-bc93-6894a57f9324")),
+    (b'"a\\"b\\\\c"', GoodKey('a"b\\c')),  # sf-string escapes
+    (b"k" * 255, GoodKey("k" * 255)),
     (b"", "empty"),
     (b'""', "empty"),
     (b"k" * 256, "longer than 255 characters"),
@@ -41,7 +41,7 @@ KEY_CASES = [
 @pytest.mark.parametrize(("raw", "want"), KEY_CASES)
 def test_key_forms(raw: bytes, want: object) -> None:
     got = parse_value(raw)
-    if isinstance(want, Key):
+    if isinstance(want, GoodKey):
         assert got == want
     else:
         assert isinstance(got, BadKey) and got.reason == want
@@ -49,7 +49,7 @@ def test_key_forms(raw: bytes, want: object) -> None:
 
 def test_key_from_headers() -> None:
     assert parse_key([(b"Host", b"x")]) == NoKey()
-    assert parse_key([(b"IDEMPOTENCY-KEY", b"k1")]) == Key("k1")
+    assert parse_key([(b"IDEMPOTENCY-KEY", b"k1")]) == GoodKey("k1")
     two = parse_key([(b"Idempotency-Key", b"a"), (b"idempotency-key", b"b")])
     assert isinstance(two, BadKey) and "more than one" in two.reason
     shown = parse_value(b"x" * 10_000)
@@ -63,15 +63,15 @@ def test_key_from_headers() -> None:
 )
 def test_every_visible_ascii_key_reads_the_same_bare_and_quoted(key: str) -> None:
     quoted = '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    assert parse_value(quoted.encode()) == Key(key)
+    assert parse_value(quoted.encode()) == GoodKey(key)
     if not key.startswith('"'):
-        assert parse_value(key.encode()) == Key(key)
+        assert parse_value(key.encode()) == GoodKey(key)
 
 
 @given(st.binary(max_size=300))
 def test_any_bytes_give_a_key_or_a_reason(raw: bytes) -> None:
     got = parse_value(raw)
-    if isinstance(got, Key):
+    if isinstance(got, GoodKey):
         assert 1 <= len(got.value) <= 255 and all(0x21 <= ord(c) <= 0x7E for c in got.value)
     else:
         assert isinstance(got, BadKey) and got.reason and len(got.raw) <= 255

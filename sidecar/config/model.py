@@ -12,6 +12,7 @@ import socket
 from dataclasses import dataclass
 
 from sidecar.config import checks as c
+from sidecar.config.idempotency import IdempotencyPolicy, IdempotencyStorage
 from sidecar.config.policies import (
     AutoTimeout,
     Backoff,
@@ -197,6 +198,17 @@ class Route:
             "timeout; nginx cuts at its `proxy_read_timeout`, 60 s). `enabled: false` sends an "
             "upgrade request as an ordinary request without `Upgrade`, as nginx without upgrade "
             "configuration does, and the app answers it (a WebSocket server: 426 or 400)"
+        ),
+    )
+    idempotency: IdempotencyPolicy = section(
+        IdempotencyPolicy,
+        help=(
+            "`Idempotency-Key` enforced for the app: a guarded write (`methods`) with a key "
+            "reaches the app once; its answer is kept `ttl` and replayed; `required`: no key "
+            "gets 400; `lease` (null: the route's `timeout` + 5 s): how long a key stays in "
+            "progress if its sidecar dies; answers over `max_response_bytes` are relayed, not "
+            "kept; `scope_header`: keys scoped by a hash of that header; `on_store_error`: "
+            '`refuse` (503) or `pass` (forward unguarded). See "Effectively-once writes"'
         ),
     )
     dlq: RouteDlq = section(
@@ -403,6 +415,9 @@ class Config:
         help="peers whose `x-retry-edge` / `x-request-timeout-ms` are obeyed",
     )
     dlq: DlqFile = section(DlqFile, help="the DLQ file and its bounds")
+    idempotency: IdempotencyStorage = section(
+        IdempotencyStorage, flow=True, help="where the idempotency keys are kept"
+    )
     limits: Limits = section(Limits, rows=True)
     drain_timeout: float = key(
         20.0,  # applies to the next drain

@@ -20,7 +20,7 @@ MAX_LENGTH = 255
 
 
 @dataclass(frozen=True, slots=True)
-class Key:
+class GoodKey:
     value: str  # unquoted: ``"abc"`` and ``abc`` are both ``abc``
 
 
@@ -35,7 +35,7 @@ class BadKey:
     raw: str  # what was received (latin-1), cut to MAX_LENGTH characters
 
 
-ParsedKey = Key | NoKey | BadKey
+ParsedKey = GoodKey | NoKey | BadKey
 
 
 def _visible(text: str) -> bool:
@@ -77,7 +77,7 @@ def parse_value(value: bytes) -> ParsedKey:
         return BadKey(f"longer than {MAX_LENGTH} characters", shown)
     if not _visible(raw):
         return BadKey("not a visible ASCII string", shown)
-    return Key(raw)
+    return GoodKey(raw)
 
 
 def parse_key(headers: Iterable[tuple[bytes, bytes]]) -> ParsedKey:
