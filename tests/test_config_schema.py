@@ -98,7 +98,7 @@ def doc(up: str, route_keys: str = "", dlq: str = "") -> str:
     return f"""version: 1
 listen: "127.0.0.1:0"
 admin: {{listen: "127.0.0.1:0"}}
-dlq: {{path: "{dlq or '/nonexistent/dlq.sqlite3'}"}}
+dlq: {{path: "{dlq or "/nonexistent/dlq.sqlite3"}"}}
 routes:
   - name: main
     upstream: "{up}"
