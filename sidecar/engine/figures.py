@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 from sidecar.config.model import Config, Route
 from sidecar.engine.routestate import RouteState, RouteStates
 from sidecar.retry.breaker import GAUGE, State
+from sidecar.retry.budget import Budget
 
 # The breaker's state as the breaker_state gauge says it (0 closed, 1 half-open, 2 open).
 BREAKER_GAUGE = {s.value: float(n) for s, n in GAUGE.items()}
@@ -64,11 +65,11 @@ COLUMNS: list[tuple[str, str]] = [
 ]
 
 
-def budget_left(st: RouteState, now: float) -> tuple[int, int, int]:
-    """(retries still allowed now, requests counted, retries counted) by the rule the budget
-    itself applies."""
-    p = st.budget.policy
-    requests, retries = st.budget.counts(now)
+def allowed(budget: Budget, now: float) -> tuple[int, int, int]:
+    """(extra attempts still allowed now, requests counted, extra attempts counted) by the rule
+    the budget itself applies."""
+    p = budget.policy
+    requests, retries = budget.counts(now)
     allowed = p.ratio * requests + p.min_per_second * p.window
     return max(0, math.ceil(allowed - retries)), requests, retries
 
@@ -87,7 +88,7 @@ def figures_of(st: RouteState, route: Route, now: float) -> RouteFigures:
     if b.state is State.OPEN and b.opened_at is not None:
         next_probe = max(0.0, b.opened_at + b.open_period - now)  # doubles on reopens
     seqs, fails = b.counts(now)
-    left, requests, retries = budget_left(st, now)
+    left, requests, retries = allowed(st.budget, now)
     healthy = st.endpoints.healthy(now)
     return RouteFigures(
         name=route.name,
