@@ -13,21 +13,23 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from sidecar.admin.auth import FailedLogins, check_exposure, token_from_env
+from sidecar.admin.gauges import wire_gauges
 from sidecar.admin.killswitch import KillSwitch, apply_file
 from sidecar.admin.listener import AdminRunner
 from sidecar.admin.page import PageDeps, page_routes
 from sidecar.admin.rates import RateSampler
 from sidecar.admin.server import AdminDeps, build_admin_app
 from sidecar.admin.snapshot import StatusSources
-from sidecar.config.model import Config, Route
+from sidecar.config.model import Config
 from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader, ReloadResult
 from sidecar.core import Clock
 from sidecar.dlq.admin import dlq_routes
 from sidecar.dlq.figures import DlqFigures
 from sidecar.dlq.reopen import reopen_delay
+from sidecar.engine.figures import RouteFigureSource
 from sidecar.engine.resolve import Resolver
-from sidecar.engine.routestate import RouteState, RouteStates
+from sidecar.engine.routestate import RouteStates
 from sidecar.heaptrim import HeapTrimmer
 from sidecar.jsonapi import ExtraRoute
 from sidecar.lifecycle import Lifecycle
@@ -35,9 +37,9 @@ from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.handler import ProxyHandler
 from sidecar.proxy.server import SidecarServer
 from sidecar.proxy.tunnel import Tunnels
-from sidecar.retry.breaker import GAUGE, State
+from sidecar.retry.breaker import State
 from sidecar.telemetry.events import BreakerTransitioned, EventSink, Fanout
-from sidecar.telemetry.metrics import Labels, Metrics
+from sidecar.telemetry.metrics import Metrics
 from sidecar.telemetry.requestlog import RequestLog
 from sidecar.telemetry.tracing import Tracing
 from sidecar.upstream.client import UpstreamClient
@@ -124,6 +126,7 @@ class Sidecar:
         self.states.sync(config)
         self.metrics.declare_routes((r.name, r.dlq.enabled) for r in config.routes)
         self.resolver = Resolver(self.states)
+        self.figures = RouteFigureSource(self.states, lambda: self.store.current)
         self.kill = KillSwitch(self.clock.wall)
         apply_file(self.kill, config, self.clock.monotonic(), self.clock.wall())
         self.life = Lifecycle()
@@ -170,14 +173,22 @@ class Sidecar:
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self.proxy_port = 0
         self.admin_port = 0
-        self._wire_gauges()
+        wire_gauges(
+            self.metrics,
+            figures=self.figures,
+            store=self.store,
+            kill=self.kill,
+            clock=self.clock,
+            dlq=lambda: self.dlq,
+            tunnels=self.deps.tunnels,
+        )
         self.rates = RateSampler(self.metrics, self.clock)  # for the status page
         self.heap = HeapTrimmer()
         self.status = StatusSources(
             store=self.store,
             reloader=self.reloader,
             kill=self.kill,
-            states=self.states,
+            figures=self.figures,
             metrics=self.metrics,
             clock=self.clock,
             life=self.life,
@@ -198,105 +209,6 @@ class Sidecar:
         self.metrics.reload_ok.set((), 1.0 if result.ok else 0.0)
         if result.ok:
             self.metrics.reload_ts.set((), self.clock.wall())
-
-    def _wire_gauges(self) -> None:
-        def breaker_states() -> dict[Labels, float]:
-            names = {r.name for r in self.store.current.routes}
-            return {
-                (("route", n),): float(GAUGE[st.breaker.state])
-                for n, st in self.states.items()
-                if n in names
-            }
-
-        def kill_switches() -> dict[Labels, float]:
-            active = {s.scope for s in self.kill.active(self.clock.monotonic())}
-            out: dict[Labels, float] = {(("scope", "global"),): 0.0}
-            for r in self.store.current.routes:
-                out[(("scope", f"route:{r.name}"),)] = 0.0
-            for scope in active:
-                out[(("scope", scope),)] = 1.0
-            return out
-
-        # The DLQ gauges read what the store's writer thread last published: a scrape never
-        # runs a query on the event loop.
-        def dlq_records() -> dict[Labels, float]:
-            if self.dlq is None:
-                return {}
-            counts = self.dlq.counts.by_status
-            return {
-                (("status", st),): float(counts.get(st, 0))
-                for st in ("pending", "delivered", "parked")
-            }
-
-        def dlq_oldest() -> dict[Labels, float]:
-            if self.dlq is None:
-                return {}
-            oldest = self.dlq.counts.oldest_pending
-            return {(): max(0.0, self.clock.wall() - oldest) if oldest is not None else 0.0}
-
-        def dlq_available() -> dict[Labels, float]:
-            if self.dlq is not None:
-                return {(): 1.0 if self.dlq.available else 0.0}
-            if any(r.dlq.enabled for r in self.store.current.routes):
-                return {(): 0.0}  # wanted, but its file could not be opened (yet)
-            return {}
-
-        def routes() -> list[tuple[str, RouteState, Route]]:
-            now_routes = {r.name: r for r in self.store.current.routes}
-            return [(n, st, now_routes[n]) for n, st in self.states.items() if n in now_routes]
-
-        def per_route(
-            value: Callable[[RouteState, Route, float], float],
-        ) -> Callable[[], dict[Labels, float]]:
-            def collect() -> dict[Labels, float]:
-                now = self.clock.monotonic()
-                return {(("route", n),): value(st, r, now) for n, st, r in routes()}
-
-            return collect
-
-        def per_try(st: RouteState, r: Route, now: float) -> float:
-            p = r.retry.per_try_timeout
-            if p is not None:
-                return p
-            a = r.retry.auto_timeout
-            return st.latency.timeout(now, a.percentile, a.multiplier, a.min, a.max)
-
-        def endpoints() -> dict[Labels, float]:
-            now = self.clock.monotonic()
-            out: dict[Labels, float] = {}
-            for n, st, _ in routes():
-                healthy = st.endpoints.healthy(now)
-                out[(("route", n), ("state", "healthy"))] = float(healthy)
-                out[(("route", n), ("state", "ejected"))] = float(
-                    len(st.endpoints.endpoints) - healthy
-                )
-            return out
-
-        m = self.metrics
-        m.throttle_probability.collect = per_route(
-            lambda st, r, now: st.throttle.probability(now) if r.throttle.enabled else 0.0
-        )
-        m.concurrency_limit.collect = per_route(
-            lambda st, r, now: (
-                float(int(st.limiter.limit))
-                if r.bulkhead.adaptive
-                else float(r.bulkhead.max_concurrent)
-            )
-        )
-        m.concurrency_in_flight.collect = per_route(lambda st, r, now: float(st.limiter.in_flight))
-        m.per_try_timeout.collect = per_route(per_try)
-        m.breaker_open_seconds.collect = per_route(lambda st, r, now: st.breaker.open_period)
-        m.endpoints.collect = endpoints
-        m.upgrades_in_flight.collect = per_route(
-            lambda st, r, now: float(self.deps.tunnels.open.get(r.name, 0))
-        )
-        self.metrics.dlq_records.collect = dlq_records
-        self.metrics.dlq_oldest.collect = dlq_oldest
-        self.metrics.dlq_available.collect = dlq_available
-        self.metrics.breaker_state.collect = breaker_states
-        self.metrics.kill_switch.collect = kill_switches
-        self.metrics.reload_ok.set((), 1.0)
-        self.metrics.reload_ts.set((), self.clock.wall())
 
     def add_sink(self, sink: EventSink) -> None:
         self.events.sinks.append(sink)
@@ -474,7 +386,7 @@ class Sidecar:
                 store=self.store,
                 reloader=self.reloader,
                 kill=self.kill,
-                states=self.states,
+                figures=self.figures,
                 metrics=self.metrics,
                 life=self.life,
                 clock=self.clock,

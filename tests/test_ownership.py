@@ -20,7 +20,7 @@ from sidecar.config.model import BreakerPolicy, BulkheadPolicy, UpstreamPool
 from sidecar.config.parse import parse_text
 from sidecar.core import NoTimeLeft, Overloaded, Verdict
 from sidecar.engine.bulkhead import Bulkhead
-from sidecar.proxy.handler import is_trusted
+from sidecar.proxy.admission import is_trusted
 from sidecar.retry.breaker import Admitted, Breaker, State
 from sidecar.retry.budget import Budget
 from sidecar.testing import FakeClock

@@ -75,3 +75,12 @@ def printable_json(value: Any) -> str:
     """JSON for a terminal: ``json.dumps`` escapes C0 controls and, with ``ensure_ascii``,
     everything above ASCII; DEL is the one it leaves raw (JSON allows ``\\u007f``)."""
     return json.dumps(value, indent=2).replace("\x7f", "\\u007f")
+
+
+def figure_text(value: object) -> str | None:
+    """A route figure as a table cell shows it; None for none (each table has its dash)."""
+    if value is None:
+        return None
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)

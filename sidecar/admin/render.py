@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from html import escape
 from urllib.parse import urlencode
 
-from sidecar.admin.fmt import age, pct, rate, size, success_class, when
+from sidecar.admin.fmt import age, figure_text, pct, rate, size, success_class, when
 from sidecar.admin.snapshot import WINDOWS, RouteStatus, Status, SwitchView
+from sidecar.engine.figures import COLUMNS
 
 REFRESH_CHOICES = (0, 2, 5, 10, 30, 60)
 DEFAULT_REFRESH = 5
@@ -175,15 +176,24 @@ def _fates(r: RouteStatus) -> str:
 
 
 def _breaker(r: RouteStatus) -> str:
-    cls = BREAKER_CLASS.get(r.breaker, "mute")
-    out = f'<span class="badge {cls}">{escape(r.breaker)}</span>'
-    if r.next_probe_in is not None:
-        out += f"<br><small>probe in {age(r.next_probe_in)}</small>"
-    elif r.breaker == "half-open":
+    f = r.figures
+    cls = BREAKER_CLASS.get(f.breaker, "mute")
+    out = f'<span class="badge {cls}">{escape(f.breaker)}</span>'
+    if f.next_probe_in is not None:
+        out += f"<br><small>probe in {age(f.next_probe_in)}</small>"
+    elif f.breaker == "half-open":
         out += "<br><small>probing</small>"
     else:
-        out += f"<br><small>{r.breaker_failures}/{r.breaker_sequences} failed</small>"
+        out += f"<br><small>{f.breaker_failures}/{f.breaker_sequences} failed</small>"
     return out
+
+
+def _figure_cells(r: RouteStatus) -> str:
+    """The figures declared with a column of their own (``engine/figures.py``)."""
+    values = r.figures.as_json()
+    return "".join(
+        f'<td class="num">{escape(figure_text(values[name]) or "—")}</td>' for name, _ in COLUMNS
+    )
 
 
 def _switch_cell(r: RouteStatus) -> str:
@@ -241,6 +251,7 @@ def _actions(r: RouteStatus) -> str:
 def _routes_table(st: Status, view: View) -> str:
     rows = []
     for r in st.routes:
+        f = r.figures
         sc = success_class(r.success_ratio)
         rpr = "—" if r.retries_per_request is None else f"{r.retries_per_request:.2f}"
         rows.append(
@@ -250,20 +261,22 @@ def _routes_table(st: Status, view: View) -> str:
             f'<td class="num {sc}">{pct(r.success_ratio)}</td>'
             f'<td class="num">{rpr}<br><small>max {r.attempts_limit - 1}</small></td>'
             f"<td>{_fates(r)}</td>"
-            f'<td class="num">{r.budget_left}<br><small>{r.budget_retries} used / '
-            f"{age(r.budget_window)}</small></td>"
+            f'<td class="num">{f.budget_left}<br><small>{f.budget_retries} used / '
+            f"{age(f.budget_window)}</small></td>"
             f"<td>{_breaker(r)}</td>"
-            f'<td class="num">{r.in_flight}<br><small>of {r.max_concurrent}</small></td>'
+            f'<td class="num">{f.in_flight}<br><small>of {f.max_concurrent}</small></td>'
             f"<td>{_switch_cell(r)}</td>"
-            f"<td>{_dlq_cell(r)}</td>"
-            f"<td>{_actions(r)}</td></tr>"
+            f"<td>{_dlq_cell(r)}</td>" + _figure_cells(r) + f"<td>{_actions(r)}</td></tr>"
         )
     return (
         '<h2>Routes</h2><table id="routes"><thead><tr>'
         '<th>Route</th><th class="num">Req/s</th><th class="num">Success</th>'
         '<th class="num">Retries/req</th><th>Fates</th><th class="num">Budget left</th>'
         '<th>Breaker</th><th class="num">In flight</th><th>Kill switch</th><th>DLQ</th>'
-        "<th>Act</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table>"
+        + "".join(f'<th class="num">{escape(title)}</th>' for _, title in COLUMNS)
+        + "<th>Act</th></tr></thead><tbody>"
+        + "".join(rows)
+        + "</tbody></table>"
     )
 
 

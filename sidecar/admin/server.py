@@ -35,7 +35,7 @@ from sidecar.config.render import as_json, settings_json
 from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader
 from sidecar.core import Clock
-from sidecar.engine.routestate import RouteStates
+from sidecar.engine.figures import RouteFigureSource
 from sidecar.jsonapi import ExtraRoute, Handler, error, iso, loads_json
 from sidecar.lifecycle import Lifecycle
 from sidecar.telemetry.logs import RateLimit
@@ -67,7 +67,7 @@ class AdminDeps:
     store: ConfigStore
     reloader: Reloader | None
     kill: KillSwitch
-    states: RouteStates
+    figures: RouteFigureSource
     metrics: Metrics
     life: Lifecycle
     clock: Clock
@@ -277,21 +277,17 @@ def build_admin_app(
         return web.json_response({"lifted": scope, "remaining": remaining})
 
     async def breakers(request: web.Request) -> web.Response:
-        now = deps.clock.monotonic()
-        out = {}
-        names = {r.name for r in deps.store.current.routes}
-        for name, st in deps.states.items():
-            if name not in names:
-                continue
-            seqs, fails = st.breaker.counts(now)
-            out[name] = {
-                "state": st.breaker.state.value,
-                "sequences": seqs,
-                "failures": fails,
-                "opened_at": iso(st.breaker.opened_at_wall),
-                "budget": dict(zip(("requests", "retries"), st.budget.counts(now), strict=True)),
-                "in_flight": st.bulkhead.in_flight,
+        out = {
+            f.name: {
+                "state": f.breaker,
+                "sequences": f.breaker_sequences,
+                "failures": f.breaker_failures,
+                "opened_at": iso(f.breaker_opened_at_wall),
+                "budget": {"requests": f.budget_requests, "retries": f.budget_retries},
+                "in_flight": f.in_flight,
             }
+            for f in deps.figures.at(deps.clock.monotonic())
+        }
         return web.json_response({"routes": out})
 
     async def stats(request: web.Request) -> web.Response:

@@ -1,7 +1,7 @@
 """A read-only picture of the running sidecar, for the status page, ``GET /status`` and the
 ``retry-sidecar status`` verb.
 
-It only reads what already exists (the config snapshot, the route states, the kill switches,
+It only reads what already exists (the config snapshot, the route figures, the kill switches,
 the metrics registry through the rate sampler, the DLQ through its reader connection) and
 changes nothing. The one query that touches the disk (``sidecar.dlq.figures``) runs in a thread,
 never on the loop.
@@ -9,7 +9,6 @@ never on the loop.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -20,9 +19,8 @@ from sidecar.admin.rates import RateSampler
 from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader
 from sidecar.core import Clock
-from sidecar.engine.routestate import RouteState, RouteStates
+from sidecar.engine.figures import RouteFigures, RouteFigureSource
 from sidecar.lifecycle import Lifecycle
-from sidecar.retry.breaker import State
 from sidecar.telemetry.metrics import Metrics
 
 WINDOWS = {"10s": 10.0, "1m": 60.0, "5m": 300.0}
@@ -45,7 +43,7 @@ class StatusSources:
     store: ConfigStore
     reloader: Reloader | None
     kill: KillSwitch
-    states: RouteStates
+    figures: RouteFigureSource
     metrics: Metrics
     clock: Clock
     life: Lifecycle
@@ -77,15 +75,7 @@ class RouteStatus:
     success_ratio: float | None  # fate "success" / all; None without traffic
     retries_per_request: float | None
     fates: dict[str, int]
-    budget_left: int  # retries the budget allows right now
-    budget_retries: int  # retries counted in the budget's own window
-    budget_window: float
-    breaker: str  # closed | open | half-open
-    next_probe_in: float | None  # while open: seconds until a probe is let through
-    breaker_sequences: int
-    breaker_failures: int
-    in_flight: int
-    max_concurrent: int
+    figures: RouteFigures  # budget, breaker, bulkhead...: flat in the JSON, after fates
     switches: list[SwitchView]  # the active switches that cover this route
     attempts_limit: int  # retry.attempts of the policy
     dlq_enabled: bool
@@ -93,6 +83,16 @@ class RouteStatus:
     dlq_parked: int | None
     dlq_oldest_pending_age: float | None
     dlq_oldest_parked_age: float | None
+
+    def as_json(self) -> dict[str, Any]:
+        """Flat: the route's figures among its other fields, each by its own name."""
+        out: dict[str, Any] = {}
+        for k, v in asdict(self).items():
+            if k == "figures":
+                out.update((n, x) for n, x in self.figures.as_json().items() if n != "name")
+            else:
+                out[k] = v
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,21 +128,15 @@ class Status:
     switches: list[SwitchView]
 
     def as_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["routes"] = [r.as_json() for r in self.routes]
+        return out
 
 
 def switch_view(s: Switch, wall: float) -> SwitchView:
     return SwitchView(
         s.scope, s.source, s.reason, s.set_by, s.set_at, s.expires_at, max(0.0, s.expires_at - wall)
     )
-
-
-def budget_left(st: RouteState, now: float) -> tuple[int, int]:
-    """(retries still allowed now, retries counted) by the rule the budget itself applies."""
-    p = st.budget.policy
-    requests, retries = st.budget.counts(now)
-    allowed = p.ratio * requests + p.min_per_second * p.window
-    return max(0, math.ceil(allowed - retries)), retries
 
 
 def _ratio(num: int, den: int) -> float | None:
@@ -157,17 +151,11 @@ async def take(src: StatusSources, window: str = DEFAULT_WINDOW) -> Status:
     dlq_open = src.dlq.is_open()
     per_route_dlq = await dlq_figures(src)
     routes = []
+    figures = {f.name: f for f in src.figures.at(now)}
     for r in config.routes:
-        st = src.states.get(r.name)
         w = win.routes.get(r.name)
         requests = w.requests if w else 0
         fates = dict(sorted(w.fates.items(), key=lambda kv: -kv[1])) if w else {}
-        left, counted = budget_left(st, now)
-        b = st.breaker
-        next_probe = None
-        if b.state is State.OPEN and b.opened_at is not None:
-            next_probe = max(0.0, b.opened_at + b.open_period - now)  # doubles on reopens
-        seqs, fails = b.counts(now)
         d = per_route_dlq.get(r.name, {})
         routes.append(
             RouteStatus(
@@ -178,15 +166,7 @@ async def take(src: StatusSources, window: str = DEFAULT_WINDOW) -> Status:
                 success_ratio=_ratio(fates.get("success", 0), requests),
                 retries_per_request=_ratio(w.retries, requests) if w else None,
                 fates=fates,
-                budget_left=left,
-                budget_retries=counted,
-                budget_window=st.budget.policy.window,
-                breaker=b.state.value,
-                next_probe_in=next_probe,
-                breaker_sequences=seqs,
-                breaker_failures=fails,
-                in_flight=st.bulkhead.in_flight,
-                max_concurrent=st.bulkhead.policy.max_concurrent,
+                figures=figures[r.name],
                 switches=[s for s in switches if s.scope in ("global", f"route:{r.name}")],
                 attempts_limit=r.retry.attempts,
                 dlq_enabled=r.dlq.enabled,

@@ -11,7 +11,8 @@ from typing import Any, TextIO
 from urllib.parse import urlencode
 
 from sidecar.admin.client import AdminTarget, call
-from sidecar.admin.fmt import age, pct, printable, printable_json, rate, size
+from sidecar.admin.fmt import age, figure_text, pct, printable, printable_json, rate, size
+from sidecar.engine.figures import COLUMNS
 
 
 def table(rows: list[list[str]], out: TextIO) -> None:
@@ -63,6 +64,7 @@ def status_rows(st: dict[str, Any]) -> list[list[str]]:
             "KILL-SWITCH",
             "DLQ PEND/PARK",
             "OLDEST",
+            *(title.upper() for _, title in COLUMNS),
             "FATES",
         ]
     ]
@@ -90,6 +92,7 @@ def status_rows(st: dict[str, Any]) -> list[list[str]]:
                 switches or "-",
                 dlq,
                 oldest,
+                *(figure_text(r.get(name)) or "-" for name, _ in COLUMNS),
                 ", ".join(f"{f} {n}" for f, n in r["fates"].items()) or "-",
             ]
         )

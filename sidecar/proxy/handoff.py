@@ -1,0 +1,82 @@
+"""The DLQ hand-off, on the way back to the client: a write on a DLQ route that ended in a
+transient failure is stored (``dlq/capture.py`` decides, the writer thread commits) before the
+client hears anything; ``respond: accepted`` then answers 202 with the record's id. Also the
+answer to a sequence the breaker refused."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from aiohttp import web
+
+from sidecar.core import Fate
+from sidecar.dlq.capture import capture
+from sidecar.dlq.record import WRITE_METHODS, KeptBody
+from sidecar.engine.sequence import Sequence
+from sidecar.proxy.context import RequestContext
+from sidecar.proxy.relay import answer, dlq_headers
+from sidecar.proxy.respond import SidecarResponse, proxy_error, proxy_status
+from sidecar.upstream.client import Body
+
+
+def wants_capture(ctx: RequestContext) -> bool:
+    """Whether the DLQ is consulted for this request: a write on a route that has one."""
+    return ctx.route.dlq.enabled and ctx.request.method in WRITE_METHODS
+
+
+async def respond(ctx: RequestContext, seq: Sequence, body: Body) -> web.StreamResponse:
+    """The answer to the client, given inside the sequence's scope: the upstream response
+    is relayed while the scope still owns it."""
+    route = ctx.route
+    result = seq.result
+    error: str | None
+    if result is None:  # the breaker refused the sequence
+        fate, attempts, status, error = Fate.BREAKER_OPEN, 0, None, "breaker open"
+    else:
+        fate, attempts, status = result.fate, result.attempts, result.response_status
+        error = str(result.error) if result.error is not None else None
+    captured = None
+    if wants_capture(ctx):  # skip the coroutine otherwise
+        deps = ctx.deps
+        captured = await capture(
+            deps.dlq,
+            route,
+            ctx.request.method,
+            ctx.target,
+            ctx.as_received,
+            KeptBody.of(body),
+            fate=fate,
+            attempts=attempts,
+            final_status=status,
+            error=error,
+            on_write=deps.dlq_write,
+            result=result,
+        )
+    if captured is not None and captured.record_id and route.dlq.respond == "accepted":
+        return ctx.finish(accepted(captured.record_id, fate, attempts), fate, attempts)
+    if result is None:
+        resp = proxy_error(
+            503, "breaker-open", f"circuit breaker of route {route.name} is open", fate, 0
+        )
+        resp.headers["Retry-After"] = str(max(1, math.ceil(seq.refused_for)))
+        dlq_headers(resp, captured)
+        return ctx.finish(resp, fate, 0, proxy_error_code="breaker-open")
+    return await answer(ctx, result, seq, captured=captured)
+
+
+def accepted(record_id: str, fate: Fate, attempts: int) -> web.Response:
+    """``respond: accepted``: 202 only once the record is durable on disk. Made by the sidecar
+    itself, so it names itself in Proxy-Status (no error) and carries no Server banner."""
+    return SidecarResponse(
+        status=202,
+        body=json.dumps({"dlq_id": record_id}).encode(),
+        headers={
+            "Content-Type": "application/json",
+            "Proxy-Status": proxy_status(),
+            "x-retry-attempts": str(attempts),
+            "x-retry-fate": fate.value,
+            "x-retry-dlq": "stored",
+            "x-retry-dlq-id": record_id,
+        },
+    )

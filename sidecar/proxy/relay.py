@@ -1,0 +1,154 @@
+"""The answer to the client once the sequence has a result: the upstream's response relayed
+(its 1xx first, then the head, then the body, within ``stream_idle_timeout`` per read), or the
+sidecar's own error answer when no response came. Runs inside the sequence's scope, which
+still owns the upstream response."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from aiohttp.http import HttpVersion11
+
+from sidecar.core import AttemptTimeout, Fate, NoTimeLeft, RetryStopped, UpstreamError
+from sidecar.dlq.capture import Captured
+from sidecar.engine.loop import SequenceResult
+from sidecar.engine.sequence import Sequence
+from sidecar.proxy import forward
+from sidecar.proxy.context import RequestContext
+from sidecar.proxy.respond import MESSAGES, ProxyResponse, interim_head, proxy_error
+from sidecar.upstream.client import UpstreamResponse
+
+# The fate label (metrics, logs) of a response whose upstream broke after its head went out:
+# the client saw x-retry-fate: success in the head, but it is not counted as one.
+BODY_BROKEN = "body-broken"
+FULL_RESPONSE_MAX = 64 * 1024  # complete bodies up to this go out in one write
+
+
+def own_headers(result: SequenceResult, captured: Captured | None) -> list[tuple[bytes, bytes]]:
+    """The sidecar's own headers on a relayed response."""
+    own = [
+        (b"x-retry-attempts", b"%d" % result.attempts),
+        (b"x-retry-fate", result.fate.value.encode()),
+    ]
+    if result.hedges:
+        own.append((b"x-retry-hedges", b"%d" % result.hedges))
+    if captured is not None:
+        own.append((b"x-retry-dlq", captured.header.encode()))
+        if captured.record_id is not None:
+            own.append((b"x-retry-dlq-id", captured.record_id.encode()))
+    return own
+
+
+def dlq_headers(resp: web.StreamResponse, captured: Captured | None) -> None:
+    """The DLQ's headers on an answer the sidecar makes itself."""
+    if captured is not None:
+        resp.headers["x-retry-dlq"] = captured.header
+        if captured.record_id is not None:
+            resp.headers["x-retry-dlq-id"] = captured.record_id
+
+
+async def answer(
+    ctx: RequestContext,
+    result: SequenceResult,
+    seq: Sequence,
+    *,
+    captured: Captured | None,
+) -> web.StreamResponse:
+    """The upstream's response relayed, or the error answer for a sequence that has none."""
+    up = result.response
+    if up is not None:
+        return await stream(ctx, result, up, seq, captured=captured)
+    fate = result.fate
+    err = result.error
+    assert err is not None
+    status, code = err.status, err.code
+    error_type = err.error_type if isinstance(err, UpstreamError) else err.proxy_status
+    if fate is Fate.DEADLINE:
+        status, code, error_type = 504, "deadline", "http_response_timeout"
+    elif isinstance(err, NoTimeLeft):
+        # No time left for the attempt with the deadline not passed (else the fate
+        # is deadline): its per-try timeout ended it, say waiting for a connection.
+        code = AttemptTimeout.code
+    message = MESSAGES.get(code, "the sidecar could not complete the request")
+    received = err.received_status if isinstance(err, RetryStopped) else None
+    resp = proxy_error(
+        status, code, message, fate, result.attempts, error_type, received_status=received
+    )
+    dlq_headers(resp, captured)
+    return ctx.finish(resp, fate, result.attempts, proxy_error_code=code)
+
+
+async def stream(
+    ctx: RequestContext,
+    result: SequenceResult,
+    up: UpstreamResponse,
+    seq: Sequence,
+    *,
+    captured: Captured | None,
+) -> web.StreamResponse:
+    """Relay the upstream's response: whole in one write when it is already here and small,
+    else head first and the body as it comes."""
+    request = ctx.request
+    if up.extra_data:
+        ctx.upstream_warning("upstream sent more data after a complete response")
+    if up.interim and request.version >= HttpVersion11:
+        # RFC 9110 section 15.2: a proxy forwards 1xx responses (never to HTTP/1.0).
+        # They go out in their order, just before the final response.
+        for status, headers in up.interim:
+            await request.writer.write(interim_head(status, forward.response_headers(headers)))
+    whole = up.complete and up.buffered_bytes <= FULL_RESPONSE_MAX
+    resp = ProxyResponse(
+        up.status,
+        forward.response_headers(up.headers),
+        own_headers(result, captured),
+        up.content_length,
+        flush_head=not whole,
+    )
+    if whole:
+        # The whole body is already here (the common small response): one write.
+        body = up.take_body() if up.has_body else b""
+        up.release()
+        # A client whose close came before this write (ConnectionError) is counted
+        # client-gone by the handler, as every write to a client that left.
+        resp.send_whole(request, body)
+        return ctx.finish(resp, result.fate, result.attempts)
+    idle = ctx.route.stream_idle_timeout
+    broken: UpstreamError | None = None
+    gone = False
+    try:
+        await resp.prepare(request)
+        if up.has_body:
+            while True:
+                chunk = await up.read_chunk(idle)
+                if not chunk:
+                    break
+                await resp.write(chunk)
+        up.release()
+        await resp.write_eof()
+    except UpstreamError as exc:
+        # The upstream broke after the head went out: the client must see a broken
+        # response (connection cut, no terminating chunk), never a truncated whole one.
+        up.discard()
+        seq.body_failed()  # the breaker hears of it: one failed sequence
+        broken = exc
+        resp.force_close()
+        cut_transport(request)
+    except (ConnectionError, OSError):
+        up.discard()  # the client went away (its close came before the cancellation)
+        gone = True
+    except BaseException:
+        up.discard()
+        raise
+    if broken is not None:
+        # Not a success: counted under its own fate, logged (rate-limited) as nginx does.
+        ctx.upstream_warning(f"upstream response broke mid-body ({broken.code}): {broken}")
+        return ctx.finish(resp, BODY_BROKEN, result.attempts, proxy_error_code=broken.code)
+    if gone:
+        ctx.gone()
+        return resp
+    return ctx.finish(resp, result.fate, result.attempts)
+
+
+def cut_transport(request: web.BaseRequest) -> None:
+    transport = request.transport
+    if transport is not None:
+        transport.abort()

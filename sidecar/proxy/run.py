@@ -1,0 +1,72 @@
+"""The sequence run: the request's deadline and idempotency, the ``Exchange`` the engine
+sends, and the ``Sequence`` scope around the answer (a tunnel opened, the upstream's response
+relayed, or the DLQ hand-off and the sidecar's own answer)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from sidecar.engine.sequence import Exchange, Sequence
+from sidecar.proxy.context import RequestContext
+from sidecar.proxy.handoff import respond, wants_capture
+from sidecar.proxy.intake import Intake
+from sidecar.proxy.relay import own_headers, stream
+from sidecar.proxy.tunnel import not_opened, relay, switched
+from sidecar.retry.deadline import Deadline, parse_timeout_ms
+
+
+def exchange_of(ctx: RequestContext, intake: Intake) -> Exchange:
+    """What the engine sends, with the deadline started now: once the request is received (as
+    Envoy's route timeout), so a slow upload of a buffered body does not eat the upstream's
+    time."""
+    route = ctx.route
+    deadline = Deadline.start(
+        ctx.deps.clock.monotonic(), route.timeout, parse_timeout_ms(_s(ctx.timeout_ms))
+    )
+    shared = ctx.headers
+    # The key as it goes upstream: one the client named in Connection (hop-by-hop, so
+    # dropped) is no key, and a POST without one is not resent.
+    key = next((v for k, v in shared if k.lower() == b"idempotency-key"), None)
+    return Exchange(
+        route,
+        ctx.request.method,
+        ctx.target,
+        shared,
+        intake.body,
+        intake.chunked,
+        replayable=intake.replayable,
+        edge=ctx.edge,
+        deadline=deadline,
+        idempotency_key=key is not None and key.strip() != b"",
+        span=ctx.span,
+        upgrade=ctx.upgrade is not None,
+    )
+
+
+async def run_sequence(ctx: RequestContext, intake: Intake) -> web.StreamResponse:
+    deps = ctx.deps
+    async with Sequence(deps, ctx.config.name.encode(), exchange_of(ctx, intake)) as seq:
+        result = seq.result
+        upgrade = ctx.upgrade
+        if upgrade is not None:
+            up = result.response if result is not None else None
+            if result is not None and up is not None and switched(up):
+                return await relay(
+                    ctx.request,
+                    ctx.route,
+                    up,
+                    upgrade,
+                    own_headers(result, None),
+                    deps.tunnels,
+                    opened=lambda resp: ctx.finish(resp, result.fate, result.attempts),
+                )
+            not_opened(deps.tunnels, ctx.route, up)
+        if result is not None and result.response is not None and not wants_capture(ctx):
+            # The common case (an upstream answer, no DLQ to consult) goes straight to the
+            # relay: two coroutines less per request than through respond and answer.
+            return await stream(ctx, result, result.response, seq, captured=None)
+        return await respond(ctx, seq, intake.body)
+
+
+def _s(v: bytes | None) -> str | None:
+    return v.decode("latin-1") if v is not None else None
