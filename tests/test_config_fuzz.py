@@ -128,6 +128,14 @@ ROUTE_KEYS: dict[str, st.SearchStrategy[Any]] = {
     "dlq.redrive.enabled": BOOLS,
     "dlq.redrive.interval": POSITIVE,
     "dlq.drop_headers": st.lists(kind(["x-a", "Cookie"], ["bad header"]), max_size=2),
+    "idempotency.enabled": BOOLS,
+    "idempotency.methods": st.lists(kind(["POST", "patch", "PUT"], ["BREW"]), max_size=2),
+    "idempotency.required": BOOLS,
+    "idempotency.ttl": POSITIVE,
+    "idempotency.lease": st.one_of(st.none(), POSITIVE),
+    "idempotency.max_response_bytes": SIZES,
+    "idempotency.scope_header": kind([None, "Authorization", "x-tenant"], ["two words", 3]),
+    "idempotency.on_store_error": kind(["refuse", "pass"], ["drop"]),
 }
 TOP_KEYS: dict[str, st.SearchStrategy[Any]] = {
     "name": kind(["edge", "x" * 128, "~"], ["", "é", "x" * 129]),
@@ -139,6 +147,8 @@ TOP_KEYS: dict[str, st.SearchStrategy[Any]] = {
     "dlq.path": kind(["/nonexistent/dlq.sqlite3"], [""]),
     "dlq.max_records": kind([1, 100_000_000], [0]),
     "dlq.max_bytes": SIZES,
+    "idempotency.backend": kind(["sqlite"], ["memcached"]),
+    "idempotency.path": kind(["/nonexistent/idempotency.sqlite3"], [""]),
     "limits.max_header_bytes": SIZES,
     "limits.header_timeout": POSITIVE,
     "limits.body_idle_timeout": POSITIVE,

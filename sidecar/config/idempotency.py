@@ -13,9 +13,10 @@ from sidecar.config.schema import key
 LEASE_MARGIN = 5.0  # seconds over the route timeout when ``lease`` is not set
 
 OnStoreError = Literal["refuse", "pass"]
-Backend = Literal["sqlite", "redis"]
+# The fleet's shared store (redis) is declared with fleet mode, which brings it.
+Backend = Literal["sqlite"]
 ON_STORE_ERROR: tuple[OnStoreError, ...] = ("refuse", "pass")
-BACKENDS: tuple[Backend, ...] = ("sqlite", "redis")
+BACKENDS: tuple[Backend, ...] = ("sqlite",)
 
 
 def _lease(value: object) -> float | None:
