@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from sidecar.dlq import errors as dlq_errors
-from sidecar.dlq import store as dlq_store
+from sidecar.dlq import operations as dlq_operations
 from sidecar.dlq.record import NewRecord
 from sidecar.dlq.store import DlqStore
 from tests.conftest import reply
@@ -84,7 +84,7 @@ async def test_claims_are_exclusive_across_store_instances(tmp_path):
             owner = next(g for g in trio if g is not None)
             store = b if owner == "B" else a
             assert await store.finish(
-                rid, owner, dlq_store.Finish("delivered", True, 200, None, True), NOW
+                rid, owner, dlq_operations.Finish("delivered", True, 200, None, True), NOW
             )
         for store in (a, b):
             with pytest.raises(dlq_errors.RecordDelivered):
@@ -114,10 +114,10 @@ async def test_an_expired_claim_is_taken_over_and_counts_as_possibly_sent(tmp_pa
         assert taken["claimed_by"] == "other" and taken["reached_upstream"] is True
         # The dead owner's late answer is not recorded.
         assert not await store.finish(
-            rid, "dead-process", dlq_store.Finish("delivered", True, 200, None, True), NOW + 61
+            rid, "dead-process", dlq_operations.Finish("delivered", True, 200, None, True), NOW + 61
         )
         assert await store.finish(
-            rid, "other", dlq_store.Finish("pending", True, 503, None, False), NOW + 61
+            rid, "other", dlq_operations.Finish("pending", True, 503, None, False), NOW + 61
         )
         r = await store.get(rid)
         assert r is not None and r["status"] == "pending" and r["claimed_by"] is None
