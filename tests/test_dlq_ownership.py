@@ -342,7 +342,7 @@ async def test_cancelling_a_replay_half_way_gives_its_claim_back(
 
 
 async def test_a_replay_cancelled_while_its_claim_waits_on_the_disk_gives_it_back(
-    upstream_factory, sidecar_factory, client, tmp_path
+    upstream_factory, sidecar_factory, client, tmp_path, monkeypatch
 ):
     """The claim commits even if its caller is cancelled while waiting for the writer (here a
     lock held by another connection stalls it): the granted claim must still be given back."""
@@ -353,11 +353,20 @@ async def test_a_replay_cancelled_while_its_claim_waits_on_the_disk_gives_it_bac
         rid = resp.headers["x-retry-dlq-id"]
     replayer = sc.sidecar.replayer
     assert replayer is not None
+    claiming = asyncio.Event()
+    real_claim = DlqStore.claim
+
+    def claim(self: DlqStore, *args: Any) -> asyncio.Future[dict[str, Any]]:
+        fut = real_claim(self, *args)  # queued to the writer, which waits for the lock
+        claiming.set()
+        return fut
+
+    monkeypatch.setattr(DlqStore, "claim", claim)
     blocker = sqlite3.connect(db, isolation_level=None)
     blocker.execute("BEGIN IMMEDIATE")  # the writer's next transaction waits (busy_timeout)
     try:
         task = asyncio.create_task(replayer.replay_one(rid))
-        await asyncio.sleep(0.3)  # let it reach the claim
+        await asyncio.wait_for(claiming.wait(), 15)  # the claim waits on the disk
         assert not task.done()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -366,7 +375,6 @@ async def test_a_replay_cancelled_while_its_claim_waits_on_the_disk_gives_it_bac
         blocker.execute("ROLLBACK")
         blocker.close()
     up.seen.clear()
-    await asyncio.sleep(0.5)
     await eventually(lambda: row(db, rid)["claimed_by"] is None, timeout=5)
     assert up.seen == []  # never sent
     assert row(db, rid)["status"] == "pending"
