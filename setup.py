@@ -58,6 +58,7 @@ COMPILED = [
     "sidecar/upstream/client.py",
     "sidecar/upstream/connection.py",
     "sidecar/upstream/pool.py",
+    "sidecar/upstream/responsehead.py",
     "sidecar/upstream/states.py",
     "sidecar/proxy/routing.py",
     "sidecar/telemetry/events.py",

@@ -12,6 +12,11 @@ class Lifecycle:
         self.draining = False
         self._sleepers: set[asyncio.Future[bool]] = set()
 
+    @property
+    def sleeping(self) -> int:
+        """How many backoff sleeps are under way now."""
+        return len(self._sleepers)
+
     def start_drain(self) -> None:
         self.draining = True
         self.ready = False

@@ -430,8 +430,8 @@ async def test_no_dlq_file_without_a_dlq_route(upstream_factory, sidecar_factory
 
 
 async def test_delivered_records_are_pruned_after_the_audit_window(tmp_path):
+    from sidecar.dlq.operations import Finish
     from sidecar.dlq.record import NewRecord
-    from sidecar.dlq.store import Finish
 
     store = DlqStore(str(tmp_path / "d.sqlite3"), 100, 10**6)
     store.open()
@@ -473,11 +473,11 @@ async def test_unusable_dlq_path_means_unavailable_and_the_proxy_keeps_serving(
 async def test_an_id_drawn_twice_in_one_millisecond_refuses_nothing(tmp_path, monkeypatch):
     """Ids are milliseconds plus 32 random bits; when two records of one group draw the same
     one, the second draws again -- a UNIQUE violation must not refuse the whole group."""
-    from sidecar.dlq import store as store_mod
+    from sidecar.dlq import operations
     from sidecar.dlq.record import NewRecord
 
     drawn = iter(["0001aaaa", "0001aaaa", "0001bbbb", "0001cccc"])
-    monkeypatch.setattr(store_mod, "new_id", lambda now: next(drawn))
+    monkeypatch.setattr(operations, "new_id", lambda now: next(drawn))
     store = DlqStore(str(tmp_path / "d.sqlite3"), 100, 10**6)
     store.open()
     try:

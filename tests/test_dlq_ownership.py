@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from sidecar.dlq import errors as dlq_errors
-from sidecar.dlq import store as dlq_store
+from sidecar.dlq import operations as dlq_operations
 from sidecar.dlq.record import NewRecord
 from sidecar.dlq.store import DlqStore
 from tests.conftest import reply
@@ -84,7 +84,7 @@ async def test_claims_are_exclusive_across_store_instances(tmp_path):
             owner = next(g for g in trio if g is not None)
             store = b if owner == "B" else a
             assert await store.finish(
-                rid, owner, dlq_store.Finish("delivered", True, 200, None, True), NOW
+                rid, owner, dlq_operations.Finish("delivered", True, 200, None, True), NOW
             )
         for store in (a, b):
             with pytest.raises(dlq_errors.RecordDelivered):
@@ -114,10 +114,10 @@ async def test_an_expired_claim_is_taken_over_and_counts_as_possibly_sent(tmp_pa
         assert taken["claimed_by"] == "other" and taken["reached_upstream"] is True
         # The dead owner's late answer is not recorded.
         assert not await store.finish(
-            rid, "dead-process", dlq_store.Finish("delivered", True, 200, None, True), NOW + 61
+            rid, "dead-process", dlq_operations.Finish("delivered", True, 200, None, True), NOW + 61
         )
         assert await store.finish(
-            rid, "other", dlq_store.Finish("pending", True, 503, None, False), NOW + 61
+            rid, "other", dlq_operations.Finish("pending", True, 503, None, False), NOW + 61
         )
         r = await store.get(rid)
         assert r is not None and r["status"] == "pending" and r["claimed_by"] is None
@@ -342,7 +342,7 @@ async def test_cancelling_a_replay_half_way_gives_its_claim_back(
 
 
 async def test_a_replay_cancelled_while_its_claim_waits_on_the_disk_gives_it_back(
-    upstream_factory, sidecar_factory, client, tmp_path
+    upstream_factory, sidecar_factory, client, tmp_path, monkeypatch
 ):
     """The claim commits even if its caller is cancelled while waiting for the writer (here a
     lock held by another connection stalls it): the granted claim must still be given back."""
@@ -353,11 +353,20 @@ async def test_a_replay_cancelled_while_its_claim_waits_on_the_disk_gives_it_bac
         rid = resp.headers["x-retry-dlq-id"]
     replayer = sc.sidecar.replayer
     assert replayer is not None
+    claiming = asyncio.Event()
+    real_claim = DlqStore.claim
+
+    def claim(self: DlqStore, *args: Any) -> asyncio.Future[dict[str, Any]]:
+        fut = real_claim(self, *args)  # queued to the writer, which waits for the lock
+        claiming.set()
+        return fut
+
+    monkeypatch.setattr(DlqStore, "claim", claim)
     blocker = sqlite3.connect(db, isolation_level=None)
     blocker.execute("BEGIN IMMEDIATE")  # the writer's next transaction waits (busy_timeout)
     try:
         task = asyncio.create_task(replayer.replay_one(rid))
-        await asyncio.sleep(0.3)  # let it reach the claim
+        await asyncio.wait_for(claiming.wait(), 15)  # the claim waits on the disk
         assert not task.done()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -366,7 +375,6 @@ async def test_a_replay_cancelled_while_its_claim_waits_on_the_disk_gives_it_bac
         blocker.execute("ROLLBACK")
         blocker.close()
     up.seen.clear()
-    await asyncio.sleep(0.5)
     await eventually(lambda: row(db, rid)["claimed_by"] is None, timeout=5)
     assert up.seen == []  # never sent
     assert row(db, rid)["status"] == "pending"

@@ -86,7 +86,7 @@ def test_reopen_delay_backs_off_to_its_bound():
 def test_only_damage_moves_a_file_aside():
     import sqlite3
 
-    from sidecar.dlq.store import damaged
+    from sidecar.dlq.dbfile import damaged
 
     def err(code: int) -> sqlite3.DatabaseError:
         exc = sqlite3.DatabaseError("x")

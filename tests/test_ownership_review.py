@@ -36,6 +36,7 @@ from tests.conftest import reply, routes_yaml
 from tests.faults import serve_ok
 from tests.rawhttp import raw_request, raw_server, read_head
 from tests.test_ownership import open_breaker
+from tests.wait import until
 
 
 def _memory_tracing() -> tuple[Tracing, InMemorySpanExporter]:
@@ -380,7 +381,7 @@ async def test_a_woken_pool_waiter_is_not_overtaken_by_newcomers():
         try:
             await use_ok(conn)
             waiter = asyncio.create_task(pool.acquire(5.0))
-            await asyncio.sleep(0.01)  # queued
+            await until(lambda: pool.stats().waiting == 1, "the waiter to queue")
             newcomer = asyncio.create_task(pool.acquire(5.0))  # ready in the release's turn
             pool.release(conn)
             got = await waiter  # the released connection went to the head of the queue
@@ -418,7 +419,7 @@ async def test_a_connection_that_goes_bad_before_its_waiter_runs_is_replaced(
         try:
             await use_ok(conn)
             waiter = asyncio.create_task(pool.acquire(5.0))
-            await asyncio.sleep(0.01)  # queued
+            await until(lambda: pool.stats().waiting == 1, "the waiter to queue")
             pool.release(conn)  # handed to the waiter, which has not run yet
             goes_bad(conn)  # the loop delivers the upstream's I/O before the waiter's turn
             got = await waiter
@@ -550,9 +551,7 @@ async def test_drain_during_a_retry_after_wait_makes_one_final_attempt_and_keeps
         routes_yaml(up.url, "    retry: {attempts: 3, retry_after: {honor: true, max: 10s}}\n")
     )
     pending = asyncio.create_task(client.get(sc.url + "/x"))
-    while not up.seen:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.05)  # in the Retry-After wait
+    await until(lambda: sc.sidecar.life.sleeping == 1, "the Retry-After wait")
     stopping = asyncio.create_task(sc.sidecar.stop())
     r = await pending
     assert (r.status, r.headers["x-retry-fate"]) == (200, "success")

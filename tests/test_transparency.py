@@ -14,6 +14,7 @@ import pytest
 from tests import faults
 from tests.conftest import routes_yaml
 from tests.rawhttp import raw_request, raw_server, read_head
+from tests.wait import until
 
 POLICY = "    breaker: {min_sequences: 100000}"
 
@@ -431,13 +432,17 @@ async def test_a_client_leaving_mid_upload_leaves_no_task_or_connection(
         _r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
         w.write(b"PUT /up HTTP/1.1\r\nHost: a\r\nContent-Length: 100000\r\n\r\n" + b"z" * 30000)
         await w.drain()
-        await asyncio.sleep(0.2)  # the upload is streaming upstream now
+        await until(
+            lambda: any(s.total > s.idle for s in sc.sidecar.client.stats().values()),
+            "the upload to stream upstream",
+        )
         w.transport.abort()  # the client leaves half-way
-    for _ in range(50):
-        await asyncio.sleep(0.05)
+
+    def all_given_back() -> bool:
         stats = list(sc.sidecar.client.stats().values())
-        if len(asyncio.all_tasks()) <= baseline and all(s.total == s.idle for s in stats):
-            break
+        return len(asyncio.all_tasks()) <= baseline and all(s.total == s.idle for s in stats)
+
+    await until(all_given_back, "every task and connection given back")
     assert len(asyncio.all_tasks()) <= baseline, asyncio.all_tasks()
     for stats in sc.sidecar.client.stats().values():
         assert stats.total == stats.idle

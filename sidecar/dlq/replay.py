@@ -32,8 +32,9 @@ from sidecar.config.model import Config, Route
 from sidecar.core import Fate, LocalOverload, UpstreamError
 from sidecar.dlq.capture import reached_upstream
 from sidecar.dlq.errors import ClaimRefused, DlqError, RecordNotFound
+from sidecar.dlq.operations import Finish
 from sidecar.dlq.record import safe_to_resend
-from sidecar.dlq.store import DlqStore, Finish
+from sidecar.dlq.store import DlqStore
 from sidecar.engine.deps import EngineDeps
 from sidecar.engine.loop import SequenceResult
 from sidecar.engine.sequence import Exchange, Sequence

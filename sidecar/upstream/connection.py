@@ -7,7 +7,7 @@ the upstream sends is checked as nginx and RFC 9110/9112 want it:
 - bytes after a complete response (a second status line in the same read, or anything else)
   are dropped and the connection is closed, never pooled ("upstream sent more data");
 - a status outside 100-599, a transfer coding other than ``chunked``, or a head over
-  MAX_RESPONSE_HEAD bytes / MAX_RESPONSE_HEADERS fields is a ``BadResponse`` (not retried);
+  its bounds is a ``BadResponse`` (not retried; ``responsehead`` judges the head);
 - 1xx interim responses other than 100 are kept (in order) for the handler to relay;
 - trailer fields of a chunked body are read and dropped, never merged into the head;
 - a final response that arrives while the request body is still being sent (an early answer)
@@ -25,15 +25,18 @@ from typing import Any
 import httptools
 
 from sidecar.core import AttemptTimeout, BadResponse, BodyTimeout, UpstreamError, UpstreamReset
+from sidecar.upstream.responsehead import (
+    MAX_INTERIM,
+    MAX_RESPONSE_HEAD,
+    Headers,
+    check_field,
+    check_final_status,
+    read_fields,
+)
 from sidecar.upstream.states import ConnState, Link, Req, Resp
 
 HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024
-MAX_RESPONSE_HEAD = 64 * 1024
-MAX_RESPONSE_HEADERS = 200
-MAX_INTERIM = 8  # 1xx responses before the final one; more is a misbehaving upstream
-
-Headers = list[tuple[bytes, bytes]]
 
 
 class _ExtraData(Exception):
@@ -222,11 +225,7 @@ class Connection(asyncio.Protocol):
                 raise UpstreamReset("response trailers too large")
             return
         self._head_bytes += len(name) + len(value) + 4
-        if self._head_bytes > MAX_RESPONSE_HEAD or len(self.headers) >= MAX_RESPONSE_HEADERS:
-            raise BadResponse(
-                f"response head over {MAX_RESPONSE_HEAD} bytes or {MAX_RESPONSE_HEADERS} fields",
-                "http_response_header_section_size",
-            )
+        check_field(self._head_bytes, len(self.headers))
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -256,45 +255,18 @@ class Connection(asyncio.Protocol):
             self.headers = []
             self._head_bytes = 0
             return
-        if status > 599 or status < 100:
-            # RFC 9110 section 15: values outside 100-599 are invalid; a client must treat
-            # them as a 5xx. Relaying "HTTP/1.1 0" would break clients.
-            raise BadResponse(f"invalid status code {status}", "http_protocol_error")
-        framed = chunked = False
-        length: int | None = None
-        retry_after = proxy_error = None
-        for name, value in self.headers:
-            n = len(name)  # compare lengths first: lower-casing every name costs
-            if n == 11 and retry_after is None and name.lower() == b"retry-after":
-                retry_after = value
-                continue
-            if n == 19 and proxy_error is None and name.lower() == b"x-retry-proxy-error":
-                proxy_error = value
-                continue
-            if n == 17 and name.lower() == b"transfer-encoding":
-                codings = [c.strip().lower() for c in value.split(b",") if c.strip()]
-                if codings != [b"chunked"]:
-                    # nginx (1.23+) and Envoy refuse these too: relaying the body without its
-                    # coding would hand the client bytes it cannot decode.
-                    raise BadResponse(
-                        f"unsupported transfer coding {value[:40]!r}",
-                        "http_response_transfer_coding",
-                    )
-                framed = chunked = True
-            elif n == 14 and name.lower() == b"content-length":
-                framed = True
-                v = value.strip()
-                length = int(v) if v.isdigit() else None
-        self.content_length = None if chunked else length
-        self.retry_after = retry_after
-        self.proxy_error = proxy_error
+        check_final_status(status)
+        fields = read_fields(self.headers)
+        self.content_length = fields.content_length
+        self.retry_after = fields.retry_after
+        self.proxy_error = fields.proxy_error
         self.status = status
         if not self._parser.should_keep_alive():
             self.state.to_link(Link.MUST_CLOSE)
         if self.head_only or status in (204, 304):
             self.state.response(Resp.DONE)
         else:
-            self.eof_delimited = not framed
+            self.eof_delimited = not fields.framed
             self.state.response(Resp.BODY)
         self._cancel_timer()
         self._wake()
