@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from sidecar.config.units import MAX_SIZE
+from sidecar.outcomes import DEFAULT_RETRY_KINDS, DEFAULT_RETRY_STATUSES, OutcomeKind
 
 BackoffStrategy = Literal[
     "full_jitter", "equal_jitter", "decorrelated_jitter", "exponential", "constant"
@@ -30,12 +31,11 @@ class Backoff:
 
 @dataclass(frozen=True, slots=True)
 class RetryOn:
-    """The outcomes that may be retried."""
+    """The outcomes that may be retried: failure kinds (the ``retry_on`` words of
+    ``sidecar.outcomes``) and upstream statuses."""
 
-    connect_failure: bool = True
-    reset: bool = True
-    per_try_timeout: bool = True
-    statuses: frozenset[int] = frozenset({502, 503, 504})
+    kinds: frozenset[OutcomeKind] = DEFAULT_RETRY_KINDS
+    statuses: frozenset[int] = DEFAULT_RETRY_STATUSES
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from sidecar import outcomes
 from sidecar.config import killswitches, units
 from sidecar.config.errors import ConfigError, ConfigIssue
 from sidecar.config.model import (
@@ -56,6 +57,7 @@ from sidecar.config.yamlnodes import (
     load,
     path_str,
 )
+from sidecar.outcomes import OutcomeKind
 
 T = TypeVar("T")
 
@@ -67,7 +69,6 @@ BACKOFF_STRATEGIES = (
     "constant",
 )
 NON_IDEMPOTENT = ("never", "with-idempotency-key", "always")
-RETRY_ON_WORDS = ("connect-failure", "reset", "per-try-timeout")
 HTTP_METHODS = frozenset(
     {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"}
 )
@@ -911,9 +912,12 @@ def _hedge_methods(value: object) -> frozenset[str]:
 
 
 def _retry_on(value: object) -> RetryOn:
+    """The words of ``sidecar.outcomes`` (each one failure kind, or a group of statuses) and
+    status codes."""
+    words = ", ".join(outcomes.RETRY_ON_WORDS)
     if not isinstance(value, list):
-        raise _Invalid("expected a list like [connect-failure, reset, per-try-timeout, 503]")
-    words: set[str] = set()
+        raise _Invalid(f"expected a list like [{words}, 503]")
+    kinds: set[OutcomeKind] = set()
     statuses: set[int] = set()
     for item in value:
         if isinstance(item, bool):
@@ -925,23 +929,16 @@ def _retry_on(value: object) -> RetryOn:
                 # request that was already handled (a write done twice).
                 raise _Invalid(f"only 4xx and 5xx statuses can be retried, not {item!r}")
             statuses.add(code)
-        elif item == "5xx":
-            statuses.update(range(500, 600))
-        elif item == "gateway-error":
-            statuses.update((502, 503, 504))
-        elif item in RETRY_ON_WORDS:
-            words.add(str(item))
+        elif isinstance(item, str) and item in outcomes.STATUS_GROUPS:
+            statuses.update(outcomes.STATUS_GROUPS[item])
+        elif isinstance(item, str) and item in outcomes.RETRY_ON_WORDS:
+            kinds.add(outcomes.RETRY_ON_WORDS[item])
         else:
+            groups = " or ".join(outcomes.STATUS_GROUPS)
             raise _Invalid(
-                f"unknown retry condition {item!r} (use connect-failure, reset, per-try-timeout, "
-                "a status code, 5xx or gateway-error)"
+                f"unknown retry condition {item!r} (use {words}, a status code, {groups})"
             )
-    return RetryOn(
-        connect_failure="connect-failure" in words,
-        reset="reset" in words,
-        per_try_timeout="per-try-timeout" in words,
-        statuses=frozenset(statuses),
-    )
+    return RetryOn(kinds=frozenset(kinds), statuses=frozenset(statuses))
 
 
 # -- entry points -------------------------------------------------------------------------------

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from aiohttp.http import HttpVersion11
 
+from sidecar import outcomes
 from sidecar.config.model import Config, IpNetwork, Route
-from sidecar.core import AttemptTimeout, Fate, NoTimeLeft, RetryStopped, UpstreamError
+from sidecar.core import Fate, NoTimeLeft, RetryStopped, UpstreamError
 from sidecar.dlq.capture import Captured, capture
 from sidecar.dlq.record import WRITE_METHODS, KeptBody
 from sidecar.engine.loop import SequenceResult
@@ -33,12 +34,11 @@ from sidecar.proxy.body import (
 )
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.respond import (
-    MESSAGES,
     ProxyResponse,
     SidecarResponse,
     client_error,
     interim_head,
-    proxy_error,
+    own_answer,
     proxy_status,
 )
 from sidecar.proxy.routing import Refused, find_route, request_target
@@ -109,7 +109,7 @@ class ProxyHandler:
             # never a traceback per request, one bounded log line and a clean 502.
             if self._internal_errors.allow():
                 log.exception("internal error while proxying %s", request.method)
-            return proxy_error(502, "internal", "internal error in the sidecar", "exhausted", 0)
+            return own_answer(outcomes.INTERNAL, Fate.EXHAUSTED, 0)
         finally:
             proto = request.protocol
             if isinstance(proto, GuardedRequestHandler):
@@ -225,7 +225,7 @@ class ProxyHandler:
             # and the request still counted and its span ended.
             if self._internal_errors.allow():
                 log.exception("internal error while proxying %s", request.method)
-            resp = proxy_error(502, "internal", "internal error in the sidecar", "exhausted", 0)
+            resp = own_answer(outcomes.INTERNAL, Fate.EXHAUSTED, 0)
             return self._finish(
                 request,
                 route,
@@ -233,7 +233,7 @@ class ProxyHandler:
                 resp,
                 Fate.EXHAUSTED,
                 0,
-                proxy_error_code="internal",
+                proxy_error_code=outcomes.INTERNAL.code,
                 span=span,
             )
 
@@ -376,13 +376,23 @@ class ProxyHandler:
             resp202 = accepted(captured.record_id, fate, attempts)
             return self._finish(request, route, start, resp202, fate, attempts, span=span)
         if result is None:
-            resp = proxy_error(
-                503, "breaker-open", f"circuit breaker of route {route.name} is open", fate, 0
+            resp = own_answer(
+                outcomes.BREAKER_OPEN,
+                fate,
+                0,
+                message=f"circuit breaker of route {route.name} is open",
             )
             resp.headers["Retry-After"] = str(max(1, math.ceil(seq.refused_for)))
             _dlq_headers(resp, captured)
             return self._finish(
-                request, route, start, resp, fate, 0, proxy_error_code="breaker-open", span=span
+                request,
+                route,
+                start,
+                resp,
+                fate,
+                0,
+                proxy_error_code=outcomes.BREAKER_OPEN.code,
+                span=span,
             )
         return await self._answer(request, route, start, result, span, captured, seq=seq)
 
@@ -446,22 +456,26 @@ class ProxyHandler:
         if up is None:
             err = result.error
             assert err is not None
-            status, code = err.status, err.code
-            error_type = err.error_type if isinstance(err, UpstreamError) else err.proxy_status
+            row = err.answer
+            error_type = err.error_type if isinstance(err, UpstreamError) else None
             if fate is Fate.DEADLINE:
-                status, code, error_type = 504, "deadline", "http_response_timeout"
+                row, error_type = outcomes.DEADLINE, None
             elif isinstance(err, NoTimeLeft):
                 # No time left for the attempt with the deadline not passed (else the fate
                 # is deadline): its per-try timeout ended it, say waiting for a connection.
-                code = AttemptTimeout.code
-            message = MESSAGES.get(code, "the sidecar could not complete the request")
+                row = outcomes.PER_TRY_TIMEOUT
             received = err.received_status if isinstance(err, RetryStopped) else None
-            resp = proxy_error(
-                status, code, message, fate, result.attempts, error_type, received_status=received
-            )
+            resp = own_answer(row, fate, result.attempts, error_type, received_status=received)
             _dlq_headers(resp, captured)
             return self._finish(
-                request, route, start, resp, fate, result.attempts, proxy_error_code=code, span=span
+                request,
+                route,
+                start,
+                resp,
+                fate,
+                result.attempts,
+                proxy_error_code=row.code,
+                span=span,
             )
         return await self._stream(
             request, route, start, result, up, span, captured=captured, seq=seq
