@@ -62,6 +62,9 @@ class OutcomeRow:
     kind: OutcomeKind | None = None  # the attempt outcome it is, if one
     retry_on: bool = False  # a word users may write in retry.retry_on
     default: bool = False  # in the default retry_on
+    # More precise RFC 9209 error types the detecting code may give instead of ``proxy_status``
+    # (a connect failure that knows it was refused).
+    precise: tuple[str, ...] = ()
 
 
 # --- failures of an attempt on the wire (an OutcomeKind each) ---------------------------------
@@ -69,7 +72,7 @@ CONNECT_FAILURE: Final = OutcomeRow(
     name="connect-failure",
     code="connect-failure",
     status=502,
-    proxy_status="destination_unavailable",  # a connect failure names its own when it knows
+    proxy_status="destination_unavailable",
     message="the upstream could not be reached",
     breaker=FAILURE,
     throttle=FAILURE,
@@ -78,6 +81,7 @@ CONNECT_FAILURE: Final = OutcomeRow(
     kind=OutcomeKind.CONNECT_FAILURE,
     retry_on=True,
     default=True,
+    precise=("connection_refused", "connection_timeout", "dns_error"),
 )
 RESET: Final = OutcomeRow(
     name="reset",
@@ -118,6 +122,11 @@ BAD_RESPONSE: Final = OutcomeRow(
     limit=NOT_COUNTED,
     endpoint=NOT_COUNTED,  # the link worked: the answer was wrong
     kind=OutcomeKind.BAD_RESPONSE,
+    precise=(
+        "http_response_transfer_coding",
+        "http_response_header_section_size",
+        "http_upgrade_failed",  # also a 101 nobody asked for
+    ),
 )
 # --- the sidecar had no room: the upstream was not asked --------------------------------------
 OVERLOADED: Final = OutcomeRow(

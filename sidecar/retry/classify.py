@@ -14,10 +14,10 @@ from sidecar.outcomes import Effect, OutcomeKind
 # refusal helps nobody, and counting it again here would open every breaker up the chain, each
 # with its own recovery clock.
 REFUSED_BELOW = {
-    "breaker-open": Fate.BREAKER_OPEN,
-    "concurrency-limit": Fate.OVERLOADED,
-    "overloaded": Fate.OVERLOADED,
-    "pool-exhausted": Fate.OVERLOADED,
+    outcomes.BREAKER_OPEN.code: Fate.BREAKER_OPEN,
+    outcomes.CONCURRENCY_LIMIT.code: Fate.OVERLOADED,
+    outcomes.OVERLOADED.code: Fate.OVERLOADED,
+    outcomes.POOL_EXHAUSTED.code: Fate.OVERLOADED,
 }
 # Fates of a sequence whose wanted retry a limit of this sidecar refused although the upstream
 # was reachable: the retry might have succeeded, so the failure so far is no evidence that the
