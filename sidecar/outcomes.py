@@ -51,7 +51,6 @@ FAILURE: Final = Effect.FAILURE
 @dataclass(frozen=True, slots=True)
 class OutcomeRow:
     name: str  # the label (attempts_total outcome, logs); the retry_on word when ``retry_on``
-    code: str  # the x-retry-proxy-error value of the sidecar's answer (logs: proxy_error)
     status: int | None  # the status the sidecar answers with; None: never an answer of its own
     proxy_status: str | None  # RFC 9209 error type of that answer
     message: str  # its fixed text: no upstream address or internal detail reaches a client
@@ -65,12 +64,17 @@ class OutcomeRow:
     # More precise RFC 9209 error types the detecting code may give instead of ``proxy_status``
     # (a connect failure that knows it was refused).
     precise: tuple[str, ...] = ()
+    error_code: str | None = None  # the x-retry-proxy-error value, when it is not ``name``
+
+    @property
+    def code(self) -> str:
+        """The x-retry-proxy-error value of the sidecar's answer (logs: proxy_error)."""
+        return self.name if self.error_code is None else self.error_code
 
 
 # --- failures of an attempt on the wire (an OutcomeKind each) ---------------------------------
 CONNECT_FAILURE: Final = OutcomeRow(
     name="connect-failure",
-    code="connect-failure",
     status=502,
     proxy_status="destination_unavailable",
     message="the upstream could not be reached",
@@ -85,7 +89,7 @@ CONNECT_FAILURE: Final = OutcomeRow(
 )
 RESET: Final = OutcomeRow(
     name="reset",
-    code="upstream-reset",
+    error_code="upstream-reset",
     status=502,
     proxy_status="connection_terminated",
     message="the upstream closed the connection without a complete response",
@@ -99,7 +103,6 @@ RESET: Final = OutcomeRow(
 )
 PER_TRY_TIMEOUT: Final = OutcomeRow(
     name="per-try-timeout",
-    code="per-try-timeout",
     status=504,
     proxy_status="http_response_timeout",
     message="the upstream did not answer within the per-try timeout",
@@ -113,7 +116,6 @@ PER_TRY_TIMEOUT: Final = OutcomeRow(
 )
 BAD_RESPONSE: Final = OutcomeRow(
     name="bad-response",
-    code="bad-response",
     status=502,
     proxy_status="http_protocol_error",
     message="the upstream sent a response that cannot be relayed",
@@ -131,7 +133,6 @@ BAD_RESPONSE: Final = OutcomeRow(
 # --- the sidecar had no room: the upstream was not asked --------------------------------------
 OVERLOADED: Final = OutcomeRow(
     name="overloaded",
-    code="overloaded",
     status=503,
     proxy_status="connection_limit_reached",
     message="the route has no room for the request",
@@ -142,7 +143,6 @@ OVERLOADED: Final = OutcomeRow(
 )
 POOL_EXHAUSTED: Final = OutcomeRow(
     name="pool-exhausted",
-    code="pool-exhausted",
     status=503,
     proxy_status="connection_limit_reached",
     message="every connection to the upstream stayed busy",
@@ -153,7 +153,6 @@ POOL_EXHAUSTED: Final = OutcomeRow(
 )
 CONCURRENCY_LIMIT: Final = OutcomeRow(
     name="concurrency-limit",
-    code="concurrency-limit",
     status=503,
     proxy_status="connection_limit_reached",
     message="the upstream is queueing: the route's concurrency limit is reached",
@@ -164,7 +163,6 @@ CONCURRENCY_LIMIT: Final = OutcomeRow(
 )
 DEADLINE: Final = OutcomeRow(
     name="deadline",
-    code="deadline",
     status=504,
     proxy_status="http_response_timeout",
     message="the request deadline passed before the upstream answered",
@@ -176,7 +174,6 @@ DEADLINE: Final = OutcomeRow(
 # --- answers about the route's policy ----------------------------------------------------------
 BREAKER_OPEN: Final = OutcomeRow(
     name="breaker-open",
-    code="breaker-open",
     status=503,
     proxy_status="destination_unavailable",
     message="the route's circuit breaker is open",
@@ -187,7 +184,6 @@ BREAKER_OPEN: Final = OutcomeRow(
 )
 KILL_SWITCH: Final = OutcomeRow(
     name="kill-switch",
-    code="kill-switch",
     status=503,
     proxy_status="destination_unavailable",  # with received-status: the upstream's answer
     message="the upstream failed and the kill switch stopped the retry",
@@ -199,7 +195,6 @@ KILL_SWITCH: Final = OutcomeRow(
 # --- after the head was relayed: a label only -------------------------------------------------
 STREAM_IDLE_TIMEOUT: Final = OutcomeRow(
     name="stream-idle-timeout",
-    code="stream-idle-timeout",
     status=None,  # the head is out: the body is cut
     proxy_status="http_response_timeout",
     message="the upstream stopped sending the response body",
@@ -210,7 +205,6 @@ STREAM_IDLE_TIMEOUT: Final = OutcomeRow(
 )
 CANCELLED: Final = OutcomeRow(
     name="cancelled",  # a hedge that lost, an attempt the deadline or the client cut
-    code="cancelled",
     status=None,
     proxy_status=None,
     message="the attempt was cancelled",
@@ -222,7 +216,6 @@ CANCELLED: Final = OutcomeRow(
 # --- the sidecar itself -------------------------------------------------------------------------
 INTERNAL: Final = OutcomeRow(
     name="internal",
-    code="internal",
     status=502,
     proxy_status="proxy_internal_error",
     message="internal error in the sidecar",
@@ -234,7 +227,6 @@ INTERNAL: Final = OutcomeRow(
 # Requests refused before any upstream was chosen; the status varies (``REFUSALS``).
 BAD_REQUEST: Final = OutcomeRow(
     name="bad-request",
-    code="bad-request",
     status=400,
     proxy_status="http_request_error",
     message="bad request",  # each refusal says what was wrong
