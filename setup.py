@@ -26,6 +26,7 @@ from setuptools import setup
 # (upstream/upload.py).
 COMPILED = [
     "sidecar/core.py",
+    "sidecar/outcomes.py",
     "sidecar/retry/backoff.py",
     "sidecar/retry/breaker.py",
     "sidecar/retry/budget.py",

@@ -1,7 +1,8 @@
-"""The shared vocabulary every layer may import: fates, outcome kinds, the breaker's verdicts,
-the clock and the error types. It imports nothing from the project, so no layer has to reach
-"up" (the upstream client into the retry rules, the DLQ into the proxy) to name these.
-See docs/architecture.md for the layering.
+"""The shared vocabulary every layer may import: fates, the breaker's verdicts, the clock and
+the error types, each error naming its row of the outcome table (``sidecar.outcomes``). It
+imports nothing else from the project, so no layer has to reach "up" (the upstream client into
+the retry rules, the DLQ into the proxy) to name these. See docs/architecture.md for the
+layering.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from enum import Enum, StrEnum
 from typing import ClassVar
 
 from mypy_extensions import mypyc_attr
+
+from sidecar import outcomes
+from sidecar.outcomes import OutcomeKind, OutcomeRow
 
 
 class Fate(StrEnum):
@@ -32,16 +36,6 @@ class Fate(StrEnum):
     OVERLOADED = "overloaded"  # bulkhead or connection pool full: the upstream was not asked
     DRAINING = "draining"  # the sidecar is shutting down and made no further retry
     CLIENT_GONE = "client-gone"  # the client left; the sequence was cancelled for nobody
-
-
-class OutcomeKind(Enum):
-    RESPONSE = "response"
-    CONNECT_FAILURE = "connect-failure"
-    RESET = "reset"
-    PER_TRY_TIMEOUT = "per-try-timeout"
-    # An answer that cannot be relayed as HTTP (bad status, transfer coding, head size): a
-    # property of the response, never retried.
-    BAD_RESPONSE = "bad-response"
 
 
 class Verdict(Enum):
@@ -68,27 +62,29 @@ class UpstreamError(Exception):
     """An attempt failed on the wire. Raised by the upstream client, judged by the retry rules."""
 
     # Class-level facts of each error type (ClassVar: compiled with mypyc they stay class
-    # attributes, overridden by the subclasses below).
+    # attributes, overridden by the subclasses below). ``answer``: its row of the outcome
+    # table, which says its code, the sidecar's status and Proxy-Status error, and what it
+    # means for the breaker, the throttle, the concurrency limit and the endpoint.
+    answer: ClassVar[OutcomeRow] = outcomes.RESET
     kind: ClassVar[OutcomeKind] = OutcomeKind.RESET
-    code: ClassVar[str] = "upstream-reset"  # the x-retry-proxy-error value when the sidecar answers
-    status: ClassVar[int] = 502
     reached_upstream: ClassVar[bool] = True  # may bytes of the request have reached the upstream?
-    # The RFC 9209 Proxy-Status error type of an answer the sidecar makes from this class of
-    # error; ``error_type`` is the one of this error (a connect failure knows "refused").
-    proxy_status: ClassVar[str] = "connection_terminated"
 
     def __init__(self, message: str = "", error_type: str | None = None) -> None:
         super().__init__(message)
-        self.error_type: str = error_type if error_type is not None else self.proxy_status
+        # The RFC 9209 error type of this error (a connect failure knows "refused").
+        self.error_type: str | None = error_type
+
+    @property
+    def code(self) -> str:
+        return self.answer.code
 
 
 class ConnectFailure(UpstreamError):
     """No byte of the request left this process: the connection could not be made."""
 
+    answer = outcomes.CONNECT_FAILURE
     kind = OutcomeKind.CONNECT_FAILURE
-    code = "connect-failure"
     reached_upstream = False
-    proxy_status = "destination_unavailable"
 
 
 def connect_error_type(exc: OSError) -> str:
@@ -103,17 +99,12 @@ def connect_error_type(exc: OSError) -> str:
 class UpstreamReset(UpstreamError):
     """The connection broke, or the upstream spoke something other than HTTP/1.x."""
 
-    kind = OutcomeKind.RESET
-    code = "upstream-reset"
-
 
 class AttemptTimeout(UpstreamError):
     """No complete response head within the per-try timeout."""
 
+    answer = outcomes.PER_TRY_TIMEOUT
     kind = OutcomeKind.PER_TRY_TIMEOUT
-    code = "per-try-timeout"
-    status = 504
-    proxy_status = "http_response_timeout"
 
 
 class RetryStopped(UpstreamError):
@@ -122,9 +113,7 @@ class RetryStopped(UpstreamError):
     the upstream answered (``received_status``, RFC 9209's ``received-status``) with a failure
     the policy retries, so the next hop counts as unavailable for now."""
 
-    code = "kill-switch"
-    status = 503
-    proxy_status = "destination_unavailable"
+    answer = outcomes.KILL_SWITCH
 
     def __init__(self, message: str = "", received_status: int | None = None) -> None:
         super().__init__(message)
@@ -134,7 +123,7 @@ class RetryStopped(UpstreamError):
 class NoTimeLeft(AttemptTimeout):
     """The sequence deadline was spent before this attempt could write a byte upstream."""
 
-    code = "deadline"
+    answer = outcomes.DEADLINE
     reached_upstream = False
 
 
@@ -144,40 +133,40 @@ class BadResponse(UpstreamError):
     response, not a transient fault: never retried (nginx's default proxy_next_upstream does
     not retry ``invalid_header`` either)."""
 
+    answer = outcomes.BAD_RESPONSE
     kind = OutcomeKind.BAD_RESPONSE
-    code = "bad-response"
-    proxy_status = "http_protocol_error"
 
 
 class BodyTimeout(UpstreamError):
     """The upstream sent no body bytes for the stream idle timeout (after the head)."""
 
-    code = "stream-idle-timeout"
-    proxy_status = "http_response_timeout"
+    answer = outcomes.STREAM_IDLE_TIMEOUT
 
 
 class LocalOverload(Exception):
     """The sidecar itself has no room for the attempt; the upstream was not asked."""
 
-    code: ClassVar[str] = "overloaded"
-    status: ClassVar[int] = 503
+    answer: ClassVar[OutcomeRow] = outcomes.OVERLOADED
     reached_upstream: ClassVar[bool] = False
-    proxy_status: ClassVar[str] = "connection_limit_reached"
+
+    @property
+    def code(self) -> str:
+        return self.answer.code
 
 
 class PoolExhausted(LocalOverload):
     """Every pooled connection to the upstream stayed busy for the whole pool wait."""
 
-    code = "pool-exhausted"
+    answer = outcomes.POOL_EXHAUSTED
 
 
 class Overloaded(LocalOverload):
     """The route's bulkhead stayed full for its whole queue timeout."""
 
-    code = "overloaded"
+    answer = outcomes.OVERLOADED
 
 
 class ConcurrencyLimited(LocalOverload):
     """The route's adaptive concurrency limit is reached: latency says the upstream is queueing."""
 
-    code = "concurrency-limit"
+    answer = outcomes.CONCURRENCY_LIMIT

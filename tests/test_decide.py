@@ -8,7 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.config.model import Backoff, RetryAfter, RetryOn, RetryPolicy
-from sidecar.core import Fate, OutcomeKind
+from sidecar.core import Fate
+from sidecar.outcomes import OutcomeKind
 from sidecar.retry.classify import Outcome, may_resend
 from sidecar.retry.deadline import Deadline, parse_timeout_ms
 from sidecar.retry.decide import Constraints, Retry, Stop, decide
@@ -66,7 +67,7 @@ def test_retryable_outcomes_retry_with_backoff(outcome):
 
 
 def test_conditions_are_per_policy():
-    only_503 = RetryPolicy(retry_on=RetryOn(False, False, False, frozenset({503})))
+    only_503 = RetryPolicy(retry_on=RetryOn(kinds=frozenset(), statuses=frozenset({503})))
     assert run(CONNECT, policy=only_503) == Stop(Fate.NOT_RETRYABLE)
     assert run(RESET, policy=only_503) == Stop(Fate.NOT_RETRYABLE)
     assert run(TIMEOUT, policy=only_503) == Stop(Fate.NOT_RETRYABLE)

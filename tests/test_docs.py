@@ -68,3 +68,97 @@ def test_curl_examples_that_send_json_say_so():
         if not re.search(r"Content-Type: *application/json|--json ", cmd, re.IGNORECASE)
     ]
     assert wrong == []
+
+
+# -- the README's outcome vocabulary is the table's (sidecar/outcomes.py) ---------------------
+
+
+def readme_bullet(start: str) -> str:
+    """The README bullet (or table row) that begins with ``start``, up to the next bullet or
+    blank line (the end of the row)."""
+    text = (ROOT / "README.md").read_text()
+    i = text.index(start)
+    ends = ("\n",) if start.startswith("|") else ("\n- ", "\n\n")
+    end = min(j for j in (text.find(e, i) for e in ends) if j != -1)
+    return text[i:end].replace("\n", " ")
+
+
+def test_readme_retry_on_words_are_the_tables():
+    from sidecar.config.model import RetryOn
+    from sidecar.config.parse import parse_text
+    from sidecar.outcomes import RETRY_ON_WORDS, STATUS_GROUPS
+
+    row = readme_bullet("| `retry.retry_on` |")
+    m = re.fullmatch(r"\| `retry\.retry_on` \| `\[(.*?)\]` \| (.*) \|", row)
+    assert m is not None, row
+    default, also = m.groups()
+    words = [w for w in default.split(", ") if not w.isdigit()]
+    documented = set(words) | {w for w in re.findall(r"`([a-z0-9-]+)`", also) if not w.isdigit()}
+    assert documented == set(RETRY_ON_WORDS) | set(STATUS_GROUPS)
+    cfg = parse_text(
+        f"version: 1\nroutes:\n  - name: r\n    upstream: http://127.0.0.1:1\n"
+        f"    retry: {{retry_on: [{default}]}}\n"
+    )
+    assert cfg.routes[0].retry.retry_on == RetryOn()  # the documented default is the default
+    config_default = re.search(r"retry_on: \[(.*?)\]", (ROOT / "config/sidecar.yaml").read_text())
+    assert config_default is not None and config_default.group(1) == default
+
+
+def test_readme_fates_are_the_fates():
+    from sidecar.core import Fate
+    from sidecar.outcomes import ROWS
+
+    bullet = readme_bullet("- `x-retry-attempts: N`")
+    named = {w for w in re.findall(r"`([a-z][a-z-]*)`", bullet) if not w.startswith("x-retry")}
+    assert {f.value for f in Fate} <= named
+    assert named - {f.value for f in Fate} <= {r.code for r in ROWS}
+
+
+def test_readme_proxy_errors_and_their_statuses_are_the_tables():
+    """``x-retry-proxy-error: <code>`` ... `code` / `code` (status: ...), ...: every code the
+    sidecar answers with, each with its row's status."""
+    from sidecar.outcomes import BAD_REQUEST, ROWS
+
+    bullet = readme_bullet("- `x-retry-proxy-error: <code>`")
+    listed = bullet[bullet.index("`connect-failure`") :]
+    documented: dict[str, int] = {}
+    pending: list[str] = []
+    for m in re.finditer(r"\((\d{3})[^)]*\)|`([a-z][a-z-]*)`", listed):
+        if m.group(1):
+            documented.update((code, int(m.group(1))) for code in pending)
+            pending = []
+        else:
+            pending.append(m.group(2))
+    answers = {r.code: r.status for r in ROWS if r.status is not None and r is not BAD_REQUEST}
+    assert documented == answers
+
+
+def test_readme_refusals_are_the_tables():
+    from sidecar.outcomes import BAD_REQUEST, REFUSALS
+
+    bullet = readme_bullet("- Requests refused before routing")
+    assert f"`x-retry-proxy-error: {BAD_REQUEST.code}`" in bullet
+    assert {int(s) for s in re.findall(r"\b(4\d\d)\b", bullet)} == set(REFUSALS)
+
+
+def test_readme_proxy_status_errors_are_the_tables():
+    from sidecar.outcomes import REFUSALS, ROWS
+
+    bullet = readme_bullet("- Every response the sidecar made itself also carries")
+    named = set(re.findall(r"`([a-z]+(?:_[a-z]+)+)`", bullet))
+    table = {r.proxy_status for r in ROWS if r.proxy_status is not None}
+    table |= {p for r in ROWS for p in r.precise} | set(REFUSALS.values())
+    assert named == table
+
+
+def test_readme_attempt_outcomes_are_the_tables():
+    from sidecar.core import LocalOverload
+    from sidecar.outcomes import CANCELLED, OutcomeKind, label
+
+    text = (ROOT / "README.md").read_text().replace("\n", " ")
+    m = re.search(r"`attempts_total\{route,outcome\}` \(outcome: status code or (.*?)\)", text)
+    assert m is not None
+    named = set(re.findall(r"`([a-z][a-z-]*)`", m.group(1)))
+    labels = {label(k) for k in OutcomeKind if k is not OutcomeKind.RESPONSE}
+    labels |= {t.answer.code for t in LocalOverload.__subclasses__()} | {CANCELLED.name}
+    assert named == labels

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from sidecar.config.parse import parse_text
-from sidecar.core import AttemptTimeout, Fate, OutcomeKind, UpstreamError
+from sidecar.core import AttemptTimeout, Fate, UpstreamError
 from sidecar.engine.attempted import Attempted
 from sidecar.engine.loop import Driver, outcome_of
 from sidecar.engine.sequence import shaped
+from sidecar.outcomes import OutcomeKind
 from sidecar.retry.classify import Outcome
 from sidecar.retry.deadline import Deadline
 from sidecar.retry.decide import Constraints

@@ -24,6 +24,7 @@ SIDECAR = ROOT / "sidecar"
 # sidecar/__init__.py (the version and the build); the other names are sidecar/<name>/ or
 # sidecar/<name>.py. Kept in step with docs/architecture.md.
 LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"outcomes"}),
     frozenset({"core"}),
     frozenset({"__init__", "config", "lifecycle", "heaptrim", "jsonapi", "testing"}),
     frozenset({"retry", "upstream", "telemetry"}),

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+from sidecar import outcomes
 from sidecar.config import units
 from sidecar.config.values import (
     IDEMPOTENT_METHODS,
@@ -19,8 +20,8 @@ from sidecar.config.values import (
     RetryOn,
     Upstream,
 )
+from sidecar.outcomes import OutcomeKind
 
-RETRY_ON_WORDS = ("connect-failure", "reset", "per-try-timeout")
 HTTP_METHODS = frozenset(
     {"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"}
 )
@@ -344,9 +345,12 @@ def hedge_methods(value: object) -> frozenset[str]:
 
 
 def _retry_on(value: object) -> RetryOn:
+    """The words of ``sidecar.outcomes`` (each one failure kind, or a group of statuses) and
+    status codes."""
+    words = ", ".join(outcomes.RETRY_ON_WORDS)
     if not isinstance(value, list):
-        raise Invalid("expected a list like [connect-failure, reset, per-try-timeout, 503]")
-    words: set[str] = set()
+        raise Invalid(f"expected a list like [{words}, 503]")
+    kinds: set[OutcomeKind] = set()
     statuses: set[int] = set()
     for item in value:
         if isinstance(item, bool):
@@ -358,34 +362,22 @@ def _retry_on(value: object) -> RetryOn:
                 # request that was already handled (a write done twice).
                 raise Invalid(f"only 4xx and 5xx statuses can be retried, not {item!r}")
             statuses.add(code)
-        elif item == "5xx":
-            statuses.update(range(500, 600))
-        elif item == "gateway-error":
-            statuses.update((502, 503, 504))
-        elif item in RETRY_ON_WORDS:
-            words.add(str(item))
+        elif isinstance(item, str) and item in outcomes.STATUS_GROUPS:
+            statuses.update(outcomes.STATUS_GROUPS[item])
+        elif isinstance(item, str) and item in outcomes.RETRY_ON_WORDS:
+            kinds.add(outcomes.RETRY_ON_WORDS[item])
         else:
+            groups = " or ".join(outcomes.STATUS_GROUPS)
             raise Invalid(
-                f"unknown retry condition {item!r} (use connect-failure, reset, per-try-timeout, "
-                "a status code, 5xx or gateway-error)"
+                f"unknown retry condition {item!r} (use {words}, a status code, {groups})"
             )
-    return RetryOn(
-        connect_failure="connect-failure" in words,
-        reset="reset" in words,
-        per_try_timeout="per-try-timeout" in words,
-        statuses=frozenset(statuses),
-    )
+    return RetryOn(kinds=frozenset(kinds), statuses=frozenset(statuses))
 
 
 def retry_on_written(value: RetryOn) -> list[str | int]:
-    """``retry_on`` as a config writes it (the inverse of ``_retry_on``)."""
-    words: list[str | int] = [
-        word
-        for word, on in zip(
-            RETRY_ON_WORDS, (value.connect_failure, value.reset, value.per_try_timeout), strict=True
-        )
-        if on
-    ]
+    """``retry_on`` as a config writes it (the inverse of ``_retry_on``), words in the table's
+    order."""
+    words: list[str | int] = [w for w, k in outcomes.RETRY_ON_WORDS.items() if k in value.kinds]
     return words + sorted(value.statuses)
 
 

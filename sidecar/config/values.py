@@ -7,6 +7,8 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Protocol
 
+from sidecar.outcomes import DEFAULT_RETRY_KINDS, DEFAULT_RETRY_STATUSES, OutcomeKind
+
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 # RFC 9110 section 9.2.2 (what may be retried after its bytes may have reached the upstream).
@@ -18,12 +20,11 @@ HEDGE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 @dataclass(frozen=True, slots=True)
 class RetryOn:
-    """The outcomes that may be retried."""
+    """The outcomes that may be retried: failure kinds (the ``retry_on`` words of
+    ``sidecar.outcomes``) and upstream statuses."""
 
-    connect_failure: bool = True
-    reset: bool = True
-    per_try_timeout: bool = True
-    statuses: frozenset[int] = frozenset({502, 503, 504})
+    kinds: frozenset[OutcomeKind] = DEFAULT_RETRY_KINDS
+    statuses: frozenset[int] = DEFAULT_RETRY_STATUSES
 
 
 class PathPattern(Protocol):

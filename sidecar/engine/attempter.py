@@ -14,19 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 
+from sidecar import outcomes
 from sidecar.config.model import Route
-from sidecar.core import (
-    Clock,
-    ConcurrencyLimited,
-    LocalOverload,
-    NoTimeLeft,
-    OutcomeKind,
-    UpstreamError,
-)
+from sidecar.core import Clock, ConcurrencyLimited, LocalOverload, UpstreamError
 from sidecar.engine.attempted import Attempted
 from sidecar.engine.loop import outcome_of
 from sidecar.engine.reservation import Reservation
 from sidecar.engine.routestate import RouteState
+from sidecar.outcomes import Effect, OutcomeKind
 from sidecar.retry.classify import REFUSED_BELOW, Outcome, accepted
 from sidecar.retry.concurrency import Ticket
 from sidecar.retry.endpoints import Endpoint
@@ -37,7 +32,6 @@ from sidecar.upstream.client import UpstreamResponse
 # LocalOverload.
 Send = Callable[[int, float, Endpoint, bool], Awaitable[UpstreamResponse]]
 _LOCAL = Outcome(OutcomeKind.CONNECT_FAILURE, detail="refused in the sidecar")  # never judged
-_LINK_FAILURES = (OutcomeKind.CONNECT_FAILURE, OutcomeKind.RESET, OutcomeKind.PER_TRY_TIMEOUT)
 
 
 class RouteAttempter:
@@ -133,7 +127,7 @@ class RouteAttempter:
             except UpstreamError as exc:
                 end = clock.monotonic()
                 outcome = Outcome(exc.kind, detail=str(exc))
-                if exc.kind is OutcomeKind.PER_TRY_TIMEOUT and not isinstance(exc, NoTimeLeft):
+                if exc.answer.limit is Effect.FAILURE:
                     latency = end - start  # at least this long: a timeout is a slow sample
                 self._settle(end, endpoint, outcome, exc, None)
                 finished = True
@@ -184,7 +178,9 @@ class RouteAttempter:
                 # at least this long (counted if that reaches the timeout in force).
                 st.latency.observe_censored(now, took, self._auto(now))
                 self._events.attempt_ended(
-                    AttemptEnded(name, number, "cancelled", clock.monotonic() - start, None)
+                    AttemptEnded(
+                        name, number, outcomes.CANCELLED.name, clock.monotonic() - start, None
+                    )
                 )
 
     def _settle(
@@ -195,10 +191,15 @@ class RouteAttempter:
         error: UpstreamError | None,
         refused: object,
     ) -> None:
+        """Feed the throttle and the endpoint's health: an answer by the route's policy, a
+        failure by its row of the outcome table."""
         st = self._state
-        if refused is None and not isinstance(error, NoTimeLeft):
-            st.throttle.record(now, accepted(self._route.retry, outcome))
-        link_failed = (
-            error is not None and error.kind in _LINK_FAILURES and not isinstance(error, NoTimeLeft)
-        )
-        st.endpoints.report(now, endpoint, link_failed)
+        if error is None:
+            if refused is None:
+                st.throttle.record(now, accepted(self._route.retry, outcome))
+            st.endpoints.report(now, endpoint, False)
+            return
+        row = error.answer
+        if row.throttle is not Effect.NOT_COUNTED:
+            st.throttle.record(now, row.throttle is Effect.SUCCESS)
+        st.endpoints.report(now, endpoint, row.endpoint is Effect.FAILURE)

@@ -28,13 +28,13 @@ from sidecar.core import (
     Fate,
     LocalOverload,
     NoTimeLeft,
-    OutcomeKind,
     RetryStopped,
     UpstreamError,
 )
 from sidecar.engine.attempted import Attempted
 from sidecar.engine.attempts import AttemptSet
 from sidecar.engine.reservation import Reservation
+from sidecar.outcomes import Effect, OutcomeKind
 from sidecar.retry.backoff import Rng
 from sidecar.retry.classify import Outcome, is_retryable
 from sidecar.retry.deadline import Deadline
@@ -234,7 +234,7 @@ class Driver:
         """Remember that an attempt reached the upstream and failed (for the verdict of a
         sequence whose last attempt is then refused locally)."""
         if a.error is not None and not isinstance(a.error, LocalOverload):
-            if a.error.reached_upstream or a.error.kind is OutcomeKind.CONNECT_FAILURE:
+            if a.error.answer.breaker is Effect.FAILURE:
                 self.failed_before = True
         elif a.response is not None and is_retryable(self.policy, a.outcome):
             self.failed_before = True

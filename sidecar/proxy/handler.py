@@ -18,6 +18,7 @@ import logging
 
 from aiohttp import web
 
+from sidecar import outcomes
 from sidecar.core import Fate
 from sidecar.proxy.admission import admit
 from sidecar.proxy.body import BodyMalformed, BodyStalled, BodyTooLarge, ClientGone
@@ -25,7 +26,7 @@ from sidecar.proxy.context import RequestContext
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.intake import no_body, read_body
 from sidecar.proxy.relay import cut_transport
-from sidecar.proxy.respond import client_error, proxy_error
+from sidecar.proxy.respond import client_error, own_answer
 from sidecar.proxy.run import run_sequence
 from sidecar.proxy.server import GuardedRequestHandler
 from sidecar.telemetry.logs import RateLimit
@@ -49,7 +50,7 @@ class ProxyHandler:
             # never a traceback per request, one bounded log line and a clean 502.
             if self._internal_errors.allow():
                 log.exception("internal error while proxying %s", request.method)
-            return proxy_error(502, "internal", "internal error in the sidecar", "exhausted", 0)
+            return own_answer(outcomes.INTERNAL, Fate.EXHAUSTED, 0)
         finally:
             proto = request.protocol
             if isinstance(proto, GuardedRequestHandler):
@@ -100,5 +101,5 @@ class ProxyHandler:
             # and the request still counted and its span ended.
             if self._internal_errors.allow():
                 log.exception("internal error while proxying %s", request.method)
-            resp = proxy_error(502, "internal", "internal error in the sidecar", "exhausted", 0)
-            return ctx.finish(resp, Fate.EXHAUSTED, 0, proxy_error_code="internal")
+            resp = own_answer(outcomes.INTERNAL, Fate.EXHAUSTED, 0)
+            return ctx.finish(resp, Fate.EXHAUSTED, 0, proxy_error_code=outcomes.INTERNAL.code)

@@ -10,13 +10,14 @@ import math
 
 from aiohttp import web
 
+from sidecar import outcomes
 from sidecar.core import Fate
 from sidecar.dlq.capture import capture
 from sidecar.dlq.record import WRITE_METHODS, KeptBody
 from sidecar.engine.sequence import Sequence
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.relay import answer, dlq_headers
-from sidecar.proxy.respond import SidecarResponse, proxy_error, proxy_status
+from sidecar.proxy.respond import SidecarResponse, own_answer, proxy_status
 from sidecar.upstream.client import Body
 
 
@@ -56,12 +57,15 @@ async def respond(ctx: RequestContext, seq: Sequence, body: Body) -> web.StreamR
     if captured is not None and captured.record_id and route.dlq.respond == "accepted":
         return ctx.finish(accepted(captured.record_id, fate, attempts), fate, attempts)
     if result is None:
-        resp = proxy_error(
-            503, "breaker-open", f"circuit breaker of route {route.name} is open", fate, 0
+        resp = own_answer(
+            outcomes.BREAKER_OPEN,
+            fate,
+            0,
+            message=f"circuit breaker of route {route.name} is open",
         )
         resp.headers["Retry-After"] = str(max(1, math.ceil(seq.refused_for)))
         dlq_headers(resp, captured)
-        return ctx.finish(resp, fate, 0, proxy_error_code="breaker-open")
+        return ctx.finish(resp, fate, 0, proxy_error_code=outcomes.BREAKER_OPEN.code)
     return await answer(ctx, result, seq, captured=captured)
 
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.http import HttpVersion11
 
-from sidecar.core import AttemptTimeout, Fate, NoTimeLeft, RetryStopped, UpstreamError
+from sidecar import outcomes
+from sidecar.core import Fate, NoTimeLeft, RetryStopped, UpstreamError
 from sidecar.dlq.capture import Captured
 from sidecar.engine.loop import SequenceResult
 from sidecar.engine.sequence import Sequence
 from sidecar.proxy import forward
 from sidecar.proxy.context import RequestContext
-from sidecar.proxy.respond import MESSAGES, ProxyResponse, interim_head, proxy_error
+from sidecar.proxy.respond import ProxyResponse, interim_head, own_answer
 from sidecar.upstream.client import UpstreamResponse
 
 # The fate label (metrics, logs) of a response whose upstream broke after its head went out:
@@ -60,21 +61,18 @@ async def answer(
     fate = result.fate
     err = result.error
     assert err is not None
-    status, code = err.status, err.code
-    error_type = err.error_type if isinstance(err, UpstreamError) else err.proxy_status
+    row = err.answer
+    error_type = err.error_type if isinstance(err, UpstreamError) else None
     if fate is Fate.DEADLINE:
-        status, code, error_type = 504, "deadline", "http_response_timeout"
+        row, error_type = outcomes.DEADLINE, None
     elif isinstance(err, NoTimeLeft):
         # No time left for the attempt with the deadline not passed (else the fate
         # is deadline): its per-try timeout ended it, say waiting for a connection.
-        code = AttemptTimeout.code
-    message = MESSAGES.get(code, "the sidecar could not complete the request")
+        row = outcomes.PER_TRY_TIMEOUT
     received = err.received_status if isinstance(err, RetryStopped) else None
-    resp = proxy_error(
-        status, code, message, fate, result.attempts, error_type, received_status=received
-    )
+    resp = own_answer(row, fate, result.attempts, error_type, received_status=received)
     dlq_headers(resp, captured)
-    return ctx.finish(resp, fate, result.attempts, proxy_error_code=code)
+    return ctx.finish(resp, fate, result.attempts, proxy_error_code=row.code)
 
 
 async def stream(

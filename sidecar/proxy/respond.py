@@ -20,44 +20,13 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.helpers import must_be_empty_body
 from aiohttp.http import HttpVersion, HttpVersion10, HttpVersion11
 
+from sidecar import outcomes
 from sidecar.core import Fate
+from sidecar.outcomes import OutcomeRow
 
 RawHeaders = list[tuple[bytes, bytes]]
 
 PROXY_NAME = "retry-sidecar"  # the Proxy-Status member naming this intermediary
-
-# x-retry-proxy-error code -> RFC 9209 section 2.3 error type.
-PROXY_STATUS = {
-    "connect-failure": "destination_unavailable",
-    "upstream-reset": "connection_terminated",
-    "per-try-timeout": "http_response_timeout",
-    "deadline": "http_response_timeout",
-    "stream-idle-timeout": "http_response_timeout",
-    "bad-response": "http_protocol_error",
-    "breaker-open": "destination_unavailable",
-    "kill-switch": "destination_unavailable",
-    "overloaded": "connection_limit_reached",
-    "pool-exhausted": "connection_limit_reached",
-    "concurrency-limit": "connection_limit_reached",
-    "internal": "proxy_internal_error",
-}
-# Requests refused before any upstream was chosen, by status.
-CLIENT_STATUS = {404: "destination_not_found", 413: "http_request_denied"}
-
-# The text of the sidecar's answers: fixed per code, so no upstream address or internal detail
-# reaches a client (the detail goes to the logs and the DLQ record).
-MESSAGES = {
-    "connect-failure": "the upstream could not be reached",
-    "upstream-reset": "the upstream closed the connection without a complete response",
-    "per-try-timeout": "the upstream did not answer within the per-try timeout",
-    "deadline": "the request deadline passed before the upstream answered",
-    "bad-response": "the upstream sent a response that cannot be relayed",
-    "kill-switch": "the upstream failed and the kill switch stopped the retry",
-    "overloaded": "the route has no room for the request",
-    "pool-exhausted": "every connection to the upstream stayed busy",
-    "concurrency-limit": "the upstream is queueing: the route's concurrency limit is reached",
-    "internal": "internal error in the sidecar",
-}
 
 
 def proxy_status(error_type: str | None = None, received_status: int | None = None) -> str:
@@ -198,29 +167,31 @@ class SidecarResponse(web.Response):
         self._headers.popall("Server", None)
 
 
-def proxy_error(
-    status: int,
-    code: str,
-    message: str,
-    fate: Fate | str,
+def own_answer(
+    row: OutcomeRow,
+    fate: Fate,
     attempts: int,
     error_type: str | None = None,
     *,
     received_status: int | None = None,
+    message: str | None = None,
 ) -> web.Response:
-    """A response made by the sidecar itself, about the upstream or the route's policy;
-    ``received_status``: the status the upstream answered, when the sidecar did not relay it."""
-    fate_s = fate.value if isinstance(fate, Fate) else fate
-    body = json.dumps({"error": message, "fate": fate_s, "attempts": attempts}).encode()
+    """A response made by the sidecar itself, about the upstream or the route's policy: its
+    status, ``x-retry-proxy-error``, ``Proxy-Status`` error and text from its row of the
+    outcome table. ``error_type``: a more precise RFC 9209 error type than the row's (a connect
+    failure that knows it was refused); ``received_status``: the status the upstream answered,
+    when the sidecar did not relay it; ``message``: a text more precise than the row's."""
+    assert row.status is not None, f"{row.name} is never an answer of the sidecar's"
+    fate_s = fate.value
+    text = row.message if message is None else message
+    body = json.dumps({"error": text, "fate": fate_s, "attempts": attempts}).encode()
     return SidecarResponse(
-        status=status,
+        status=row.status,
         body=body,
         headers={
             "Content-Type": "application/json",
-            "Proxy-Status": proxy_status(
-                error_type or PROXY_STATUS.get(code, "proxy_internal_error"), received_status
-            ),
-            "x-retry-proxy-error": code,
+            "Proxy-Status": proxy_status(error_type or row.proxy_status, received_status),
+            "x-retry-proxy-error": row.code,
             "x-retry-attempts": str(attempts),
             "x-retry-fate": fate_s,
         },
@@ -234,7 +205,9 @@ def client_error(status: int, message: str) -> web.Response:
         body=json.dumps({"error": message}).encode(),
         headers={
             "Content-Type": "application/json",
-            "Proxy-Status": proxy_status(CLIENT_STATUS.get(status, "http_request_error")),
-            "x-retry-proxy-error": "bad-request",
+            "Proxy-Status": proxy_status(
+                outcomes.REFUSALS.get(status, outcomes.BAD_REQUEST.proxy_status)
+            ),
+            "x-retry-proxy-error": outcomes.BAD_REQUEST.code,
         },
     )

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sidecar import outcomes
 from sidecar.config.model import IDEMPOTENT_METHODS, RetryPolicy
-from sidecar.core import Fate, LocalOverload, OutcomeKind, UpstreamError, Verdict
+from sidecar.core import Fate, LocalOverload, UpstreamError, Verdict
+from sidecar.outcomes import Effect, OutcomeKind
 
 # ``x-retry-proxy-error`` codes with which a sidecar further down refused to ask its upstream:
 # that tier has judged its upstream already (breaker open, no room); retrying into the same
 # refusal helps nobody, and counting it again here would open every breaker up the chain, each
 # with its own recovery clock.
 REFUSED_BELOW = {
-    "breaker-open": Fate.BREAKER_OPEN,
-    "concurrency-limit": Fate.OVERLOADED,
-    "overloaded": Fate.OVERLOADED,
-    "pool-exhausted": Fate.OVERLOADED,
+    outcomes.BREAKER_OPEN.code: Fate.BREAKER_OPEN,
+    outcomes.CONCURRENCY_LIMIT.code: Fate.OVERLOADED,
+    outcomes.OVERLOADED.code: Fate.OVERLOADED,
+    outcomes.POOL_EXHAUSTED.code: Fate.OVERLOADED,
 }
 # Fates of a sequence whose wanted retry a limit of this sidecar refused although the upstream
 # was reachable: the retry might have succeeded, so the failure so far is no evidence that the
@@ -57,7 +59,7 @@ class Outcome:
         """A bounded word for metrics and spans: a status code or the failure kind."""
         if self.kind is OutcomeKind.RESPONSE:
             return str(self.status)
-        return str(self.kind.value)
+        return outcomes.label(self.kind)
 
 
 # The writes ``retry.non_idempotent`` governs. Any other method (BREW, LOCK, a method the sidecar
@@ -68,16 +70,9 @@ RESENDABLE_WRITES = frozenset({"POST", "PATCH"})
 
 def is_retryable(policy: RetryPolicy, outcome: Outcome) -> bool:
     on = policy.retry_on
-    kind = outcome.kind
-    if kind is OutcomeKind.RESPONSE:
+    if outcome.kind is OutcomeKind.RESPONSE:
         return outcome.status in on.statuses
-    if kind is OutcomeKind.CONNECT_FAILURE:
-        return on.connect_failure
-    if kind is OutcomeKind.RESET:
-        return on.reset
-    if kind is OutcomeKind.BAD_RESPONSE:
-        return False
-    return on.per_try_timeout
+    return outcome.kind in on.kinds
 
 
 def is_success(outcome: Outcome) -> bool:
@@ -140,9 +135,11 @@ def verdict(
     - Neutral when a sidecar further down refused it (breaker open, no room there): that tier
       has judged its upstream already.
     - Neutral when the upstream was never asked (the sidecar had no room, or the deadline was
-      spent before a byte was written); when the LAST attempt was refused so but an earlier one
+      spent before a byte was written: the error's row of ``sidecar.outcomes`` does not count
+      for the breaker); when the LAST attempt was refused so but an earlier one
       reached the upstream and failed (``failed_before``), that earlier failure is the verdict.
-    - A connect failure is a failure: nothing was sent, but the upstream could not be reached.
+    - A connect failure is a failure (its row counts for the breaker): nothing was sent, but
+      the upstream could not be reached.
 
     A half-open probe that ends neutral does not decide the breaker's state either way.
     """
@@ -150,12 +147,7 @@ def verdict(
         return Verdict.FAILURE if down else Verdict.NEUTRAL
     if fate is Fate.BREAKER_OPEN:
         return Verdict.NEUTRAL
-    local = isinstance(error, LocalOverload) or (
-        isinstance(error, UpstreamError)
-        and not error.reached_upstream
-        and error.kind is not OutcomeKind.CONNECT_FAILURE
-    )
-    if local:
+    if error is not None and error.answer.breaker is Effect.NOT_COUNTED:
         return Verdict.FAILURE if failed_before else Verdict.NEUTRAL
     failed = sequence_failed(policy, final_status, error is not None)
     return Verdict.FAILURE if failed else Verdict.SUCCESS

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sidecar.config.model import RetryPolicy
-from sidecar.core import Fate, OutcomeKind
+from sidecar.core import Fate
+from sidecar.outcomes import OutcomeKind
 from sidecar.retry import backoff
 from sidecar.retry.backoff import Rng
 from sidecar.retry.classify import Outcome, is_retryable, is_success, nothing_reached_upstream

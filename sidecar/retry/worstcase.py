@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sidecar import outcomes
 from sidecar.config.model import Route
-from sidecar.core import Fate, OutcomeKind
+from sidecar.core import Fate
+from sidecar.outcomes import OutcomeKind
 from sidecar.retry.classify import Outcome, is_retryable
 from sidecar.retry.deadline import Deadline
 from sidecar.retry.decide import Constraints, Retry, decide
@@ -31,11 +33,7 @@ class Simulated:
 def failing_outcomes(route: Route) -> list[Outcome]:
     """The retryable failures this policy can see in an outage."""
     p = route.retry
-    out = [
-        Outcome(OutcomeKind.PER_TRY_TIMEOUT),
-        Outcome(OutcomeKind.RESET),
-        Outcome(OutcomeKind.CONNECT_FAILURE),
-    ]
+    out = [Outcome(kind) for kind in outcomes.RETRY_ON_WORDS.values()]
     for status in sorted(p.retry_on.statuses):
         ra = None
         if p.retry_after.honor and status in (429, 503):
