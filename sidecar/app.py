@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import random
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -26,6 +25,7 @@ from sidecar.config.watch import Reloader, ReloadResult
 from sidecar.core import Clock
 from sidecar.dlq.admin import dlq_routes
 from sidecar.dlq.figures import DlqFigures
+from sidecar.dlq.opening import Opening, close_opened, on_loop
 from sidecar.dlq.reopen import reopen_delay
 from sidecar.engine.figures import RouteFigureSource
 from sidecar.engine.resolve import Resolver
@@ -35,6 +35,7 @@ from sidecar.jsonapi import ExtraRoute
 from sidecar.lifecycle import Lifecycle
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.handler import ProxyHandler
+from sidecar.proxy.runner import DrainingRunner
 from sidecar.proxy.server import SidecarServer
 from sidecar.proxy.tunnel import Tunnels
 from sidecar.retry.breaker import State
@@ -53,55 +54,6 @@ if TYPE_CHECKING:
     from sidecar.dlq.store import DlqStore
 
 log = logging.getLogger("sidecar")
-
-
-class DrainingRunner(web.ServerRunner):
-    """aiohttp's runner, with the drain time read when the drain starts rather than when the
-    runner was built, so that a reloaded ``drain_timeout`` applies to the next shutdown."""
-
-    def __init__(self, server: SidecarServer, drain_timeout: Callable[[], float]) -> None:
-        super().__init__(server, handle_signals=False, shutdown_timeout=drain_timeout())
-        self._drain_timeout = drain_timeout
-
-    async def cleanup(self) -> None:
-        # aiohttp keeps the value in BaseRunner._shutdown_timeout (its only setting for it)
-        # and reads it in cleanup(); there is no public setter.
-        drain = self._shutdown_timeout = self._drain_timeout()
-        server = self.server
-        cut = (
-            asyncio.get_running_loop().call_later(drain, server.cut)
-            if isinstance(server, SidecarServer)
-            else None
-        )
-        try:
-            await super().cleanup()
-        finally:
-            if cut is not None:
-                cut.cancel()
-
-
-def _close_opened(fut: asyncio.Future[DlqStore | None]) -> None:
-    if not fut.cancelled() and fut.exception() is None:
-        store = fut.result()
-        if store is not None:
-            store.close()
-
-
-def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> Callable[[], None]:
-    """``fn`` run on ``loop``, for a call made from another thread (the DLQ's writer)."""
-
-    def call() -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to count on
-            loop.call_soon_threadsafe(fn)
-
-    return call
-
-
-def c_parser_in_use() -> bool:
-    """aiohttp's C HTTP parser rejects request-smuggling shapes its Python fallback has let by."""
-    from aiohttp import http_parser
-
-    return http_parser.HttpRequestParser.__module__ == "aiohttp._http_parser"
 
 
 class Sidecar:
@@ -297,12 +249,16 @@ class Sidecar:
         async with self._dlq_opening:
             if self.dlq is not None:
                 return True
-            opening = asyncio.ensure_future(asyncio.to_thread(self._open_dlq, self.store.current))
+            config = self.store.current
+            opener = Opening(lambda: self._open_dlq(config))
+            opening = asyncio.ensure_future(asyncio.to_thread(opener))
             try:
                 store = await asyncio.shield(opening)
             except asyncio.CancelledError:
-                # Shut down while the thread opens it: whatever it opens is closed again.
-                opening.add_done_callback(_close_opened)
+                # Shut down while the thread opens it: whatever it opens is closed again, by
+                # the thread itself unless it had already handed the store over.
+                if opener.abandon():
+                    opening.add_done_callback(close_opened)
                 raise
             if store is None:
                 return False
@@ -314,7 +270,7 @@ class Sidecar:
 
             recreated = self.metrics.dlq_file_recreated
             recreated.values.setdefault((), 0.0)  # a first deletion shows in increase()
-            store.on_recreated = _on_loop(asyncio.get_running_loop(), lambda: recreated.inc(()))
+            store.on_recreated = on_loop(asyncio.get_running_loop(), lambda: recreated.inc(()))
             self.dlq = store
             self.deps.dlq = store
             self.replayer = Replayer(store, self.deps, lambda: self.store.current)

@@ -181,7 +181,8 @@ def cmd_killswitch(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from sidecar.app import Sidecar, c_parser_in_use
+    from sidecar.app import Sidecar
+    from sidecar.proxy.runner import c_parser_in_use
     from sidecar.telemetry import logs
 
     logs.setup(args.log_level)

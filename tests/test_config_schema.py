@@ -13,6 +13,7 @@ import yaml
 from sidecar.config import render, schema
 from sidecar.config.model import Config, RetryOn, Route
 from sidecar.config.parse import parse_text
+from sidecar.outcomes import OutcomeKind
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,7 +34,9 @@ def test_example_file_is_the_schema_rendered_with_every_default() -> None:
 
 
 # Values of a kind the generic candidates below do not cover.
-SPECIAL: dict[type, list[Any]] = {RetryOn: [RetryOn(reset=False, statuses=frozenset({503}))]}
+SPECIAL: dict[type, list[Any]] = {
+    RetryOn: [RetryOn(kinds=frozenset({OutcomeKind.RESET}), statuses=frozenset({503}))]
+}
 
 
 def _candidates(default: Any) -> list[Any]:

@@ -88,8 +88,8 @@ def test_readme_retry_on_words_are_the_tables():
     from sidecar.config.parse import parse_text
     from sidecar.outcomes import RETRY_ON_WORDS, STATUS_GROUPS
 
-    row = readme_bullet("| `retry.retry_on` |")
-    m = re.fullmatch(r"\| `retry\.retry_on` \| `\[(.*?)\]` \| (.*) \|", row)
+    row = readme_bullet("| `routes[].retry.retry_on` |")
+    m = re.fullmatch(r"\| `routes\[\]\.retry\.retry_on` \| `\[(.*?)\]` \| (.*) \|", row)
     assert m is not None, row
     default, also = m.groups()
     words = [w for w in default.split(", ") if not w.isdigit()]
