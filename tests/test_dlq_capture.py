@@ -260,3 +260,46 @@ async def test_gauges_follow_other_processes_writing_the_same_file(tmp_path, mon
     finally:
         mine.close()
         theirs.close()
+
+
+# -- 7. reached_upstream says what the attempts did -----------------------------------------
+
+
+async def test_writes_whose_every_attempt_failed_to_connect_are_stored_as_never_reached(
+    upstream_factory, sidecar_factory, tmp_path
+):
+    """A resendable write (a DELETE, a POST with a key) retried three times against a port
+    nobody listens on never left the sidecar: its record says ``reached_upstream`` false, as
+    the README promises; it said true whenever there was more than one attempt. One attempt
+    that got an answer (here a 503 from the first endpoint, then a connect failure on the
+    second) makes it true."""
+    from tests.proc import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    db = tmp_path / "dlq.sqlite3"
+    sc = await sidecar_factory(dlq_yaml(dead, db, retry="{attempts: 3}"))
+    port = sc.sidecar.proxy_port
+    for head in (
+        b"DELETE /item/1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 0\r\n\r\n",
+        b"POST /pay HTTP/1.1\r\nHost: x\r\nConnection: close\r\nIdempotency-Key: k-1\r\n"
+        b"Content-Length: 2\r\n\r\n{}",
+    ):
+        raw = await raw_request(port, head)
+        assert b"x-retry-attempts: 3" in raw.lower() and b"x-retry-dlq: stored" in raw.lower()
+    ids = [r[0] for r in rows(db)]
+    assert len(ids) == 2
+    assert [record(db, rid)["reached_upstream"] for rid in ids] == [0, 0]
+
+    up = await upstream_factory(reply(503))
+    db2 = tmp_path / "dlq2.sqlite3"
+    text = dlq_yaml(up.url, db2, retry="{attempts: 2}").replace(
+        f'upstream: "{up.url}"', f'upstream: ["{up.url}", "{dead}"]'
+    )
+    sc2 = await sidecar_factory(text)
+    raw = await raw_request(
+        sc2.sidecar.proxy_port,
+        b"DELETE /item/2 HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 0\r\n\r\n",
+    )
+    assert b"x-retry-attempts: 2" in raw.lower() and len(up.seen) == 1
+    [only] = [r[0] for r in rows(db2)]
+    assert record(db2, only)["reached_upstream"] == 1

@@ -181,7 +181,7 @@ async def test_restart_only_keys_are_reported_not_applied(
         "admin.token_env",
         "dlq.path",
         "limits.keepalive_timeout",
-        "upstream_pool",
+        "upstream_pool.max_connections",
     ]
     assert body["restart_required"] == want
     async with client.get(admin + "/config") as resp:
@@ -193,6 +193,12 @@ async def test_restart_only_keys_are_reported_not_applied(
     cfg.write_text(text)  # back to what the process runs with: nothing pending
     async with client.post(admin + "/config/reload") as resp:
         assert (await resp.json())["restart_required"] == []
+    # upstream_pool.dns_refresh applies at once (README): a reload changing only it is not
+    # reported as needing a restart (the whole section was compared, and it was).
+    cfg.write_text(text + "upstream_pool: {dns_refresh: 1s}\n")
+    async with client.post(admin + "/config/reload") as resp:
+        assert (await resp.json())["restart_required"] == []
+    assert sc.sidecar.store.current.upstream_pool.dns_refresh == 1.0
 
 
 async def test_dlq_bounds_apply_on_reload(upstream_factory, sidecar_factory, client, tmp_path):

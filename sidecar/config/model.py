@@ -326,12 +326,17 @@ class Limits:
 class UpstreamPool:
     """The pooled keep-alive connections to each upstream (host, port)."""
 
-    max_connections: int = key(1024, c.int_range(1, 100_000))
+    # The pools are built at start: every key but dns_refresh needs a restart.
+    max_connections: int = key(1024, c.int_range(1, 100_000), live=False)
     # waiting for a free connection, separate from connecting
     wait_timeout: float = key(
-        1.0, c.duration, unit="duration", note="for a free connection (then 503 pool-exhausted)"
+        1.0,
+        c.duration,
+        unit="duration",
+        live=False,
+        note="for a free connection (then 503 pool-exhausted)",
     )
-    connect_timeout: float = key(1.0, c.positive_duration, unit="duration")
+    connect_timeout: float = key(1.0, c.positive_duration, unit="duration", live=False)
     # Closed after this long unused. Keep it below the upstream's own keep-alive timeout
     # (Node.js 5 s, gunicorn 2 s, nginx 75 s), so the upstream never closes a connection
     # just as the sidecar reuses it.
@@ -339,6 +344,7 @@ class UpstreamPool:
         4.0,
         c.positive_duration,
         unit="duration",
+        live=False,
         note="keep below the upstream's own keep-alive timeout",
     )
     # Upstream host names are resolved to all their addresses (each one an endpoint) and
@@ -439,7 +445,6 @@ class Config:
     )
     upstream_pool: UpstreamPool = section(
         UpstreamPool,
-        live=False,  # the pools are built at start
         note="keep-alive connections to each upstream",
         help=(
             "keep-alive connections per upstream endpoint; `wait_timeout` bounds the wait for a "

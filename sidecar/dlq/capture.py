@@ -20,7 +20,6 @@ from sidecar.dlq.record import (
     transient_failure,
 )
 from sidecar.engine.loop import SequenceResult
-from sidecar.retry.classify import may_resend
 
 if TYPE_CHECKING:
     # The store (and sqlite3 with it) is loaded only when a DLQ opens: a type here, nothing more.
@@ -36,24 +35,18 @@ class Captured:
 OnWrite = Callable[[str, str], None]  # (route, result)
 
 
-def reached_upstream(
-    result: SequenceResult | None, route: Route, method: str, has_key: bool
-) -> bool:
+def reached_upstream(result: SequenceResult | None) -> bool:
     """Whether any byte of the request may have reached the upstream during the sequence.
 
-    No when the breaker refused it (``result`` None) or when its last attempt failed before
-    sending (connect failure, local overload, no time left) and no earlier attempt can have
-    sent anything:
-    the retry rules resend a request whose bytes may have reached the upstream only when the
-    route allows resending it, so without that every earlier attempt was a connect failure too.
+    No when the breaker refused it (``result`` None), or when every attempt failed before
+    sending (connect failures, refusals in the sidecar, no time left): the sequence knows
+    which of its attempts came back having sent bytes (``SequenceResult.reached``).
     """
     if result is None:
         return False
     if result.response is not None or result.error is None:
         return True
-    if result.error.reached_upstream:
-        return True
-    return result.attempts > 1 and may_resend(route.retry, method, has_key)
+    return result.reached or result.error.reached_upstream
 
 
 async def capture(
@@ -101,7 +94,7 @@ async def capture(
         last_error=error,
         idempotency_key=key,
         created_at=time.time(),
-        reached_upstream=reached_upstream(result, route, method, key is not None),
+        reached_upstream=reached_upstream(result),
     )
     adding = asyncio.ensure_future(store.add(rec))
     try:

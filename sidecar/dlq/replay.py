@@ -248,7 +248,7 @@ class Replayer:
             if result is None:
                 return self._untouched(rec, Fate.BREAKER_OPEN, 0)
             return self._untouched(rec, result.fate, result.attempts)
-        reached = reached_upstream(result, route, method, has_key)
+        reached = reached_upstream(result)
         error = str(result.error) if result.error is not None else None
         fin = self._after_send(rec, route, http_status, error, reached)
         return ReplayOutcome(rid, fin.status, http_status, result.fate.value, result.attempts), fin

@@ -113,6 +113,10 @@ class SequenceResult:
     # An earlier attempt reached the upstream and failed (what the breaker judges when this
     # last attempt was refused locally and never reached it).
     failed_before: bool = False
+    # Some attempt came back from the upstream having sent bytes of the request (an answer,
+    # or an error after sending): what the DLQ records as ``reached_upstream``. Attempts that
+    # failed to connect, or were refused in the sidecar, never did.
+    reached: bool = False
 
     # An explicit __init__: mypyc compiles it, where the one @dataclass generates stays
     # interpreted (~3,000 instructions per object made, against ~300). One is made per sequence.
@@ -126,9 +130,11 @@ class SequenceResult:
         outcome: Outcome | None = None,
         *,
         failed_before: bool = False,
+        reached: bool = False,
     ) -> None:
         self.fate = fate
         self.attempts = attempts
+        self.reached = reached
         self.response = response
         self.error = error
         self.hedges = hedges
@@ -151,12 +157,21 @@ def outcome_of(response: UpstreamResponse, refused_below: Fate | None = None) ->
 
 
 def _result(
-    fate: Fate, number: int, a: Attempted | None, hedges: int, failed_before: bool
+    fate: Fate, number: int, a: Attempted | None, hedges: int, failed_before: bool, *, reached: bool
 ) -> SequenceResult:
     if a is None:
-        return SequenceResult(fate, number, None, None, hedges, None, failed_before=failed_before)
+        return SequenceResult(
+            fate, number, None, None, hedges, None, failed_before=failed_before, reached=reached
+        )
     return SequenceResult(
-        fate, number, a.response, a.error, hedges, a.outcome, failed_before=failed_before
+        fate,
+        number,
+        a.response,
+        a.error,
+        hedges,
+        a.outcome,
+        failed_before=failed_before,
+        reached=reached,
     )
 
 
@@ -179,6 +194,7 @@ class Driver:
         "pending",
         "policy",
         "previous_delay",
+        "reached",
         "rng",
         "route",
         "used",
@@ -211,6 +227,7 @@ class Driver:
         self.previous_delay: float | None = None
         self.used: list[Endpoint] = []
         self.failed_before = False  # an attempt that reached the upstream has failed
+        self.reached = False  # an attempt came back having sent bytes (SequenceResult.reached)
         # The last failed attempt, kept through the backoff with nothing held (its answer
         # detached from its connection, or an error): what stands if the retry is refused
         # locally, as when the budget or the throttle refuses it.
@@ -219,7 +236,7 @@ class Driver:
         self.pending: RetrySent | None = None
 
     def result(self, fate: Fate, a: Attempted | None) -> SequenceResult:
-        return _result(fate, self.number, a, self.hedges, self.failed_before)
+        return _result(fate, self.number, a, self.hedges, self.failed_before, reached=self.reached)
 
     def judged(self, a: Attempted) -> Decision:
         """``judge``, owning ``a``'s response until it returns: an exception on the way
@@ -305,6 +322,7 @@ class Driver:
                 self.hedges,
                 a.outcome,
                 failed_before=True,
+                reached=self.reached,
             )
         if self.deadline.remaining(self.clock.monotonic()) <= 0:
             self.unsent()
@@ -330,6 +348,9 @@ class Driver:
     def came_back(self, a: Attempted) -> None:
         """Attempt ``a`` came back from the upstream (not refused locally): when it is the
         pending retry, that retry was sent."""
+        err = a.error
+        if err is None or err.reached_upstream:
+            self.reached = True
         p = self.pending
         if p is not None and p.attempt == a.number and not a.hedge:
             self.pending = None
@@ -377,6 +398,7 @@ class Driver:
             self.hedges,
             None,
             failed_before=self.failed_before,
+            reached=self.reached,
         )
 
     async def one_at_a_time(self) -> SequenceResult:
