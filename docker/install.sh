@@ -18,5 +18,5 @@ else
   RETRY_SIDECAR_BUILD=pure $pip install --no-deps "$src"
 fi
 # Refuse to ship without aiohttp's C parser (its pure-Python fallback has had smuggling advisories).
-"$venv/bin/python" -c "from sidecar.app import c_parser_in_use; assert c_parser_in_use(), 'aiohttp C parser missing'"
+"$venv/bin/python" -c "from sidecar.proxy.runner import c_parser_in_use; assert c_parser_in_use(), 'aiohttp C parser missing'"
 "$venv/bin/retry-sidecar" --version

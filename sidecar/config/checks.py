@@ -381,5 +381,9 @@ def retry_on_written(value: RetryOn) -> list[str | int]:
     return words + sorted(value.statuses)
 
 
-size = units.parse_size
-size_or_unlimited = units.parse_size_or_unlimited
+def size(value: object) -> int:
+    return units.parse_size(value)
+
+
+def size_or_unlimited(value: object) -> int:
+    return units.parse_size_or_unlimited(value)
