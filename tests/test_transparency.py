@@ -8,7 +8,9 @@ suite against httpbin, nginx and real client libraries is tests/test_differentia
 from __future__ import annotations
 
 import asyncio
+import re
 
+import aiohttp
 import pytest
 
 from tests import faults
@@ -446,3 +448,80 @@ async def test_a_client_leaving_mid_upload_leaves_no_task_or_connection(
     assert len(asyncio.all_tasks()) <= baseline, asyncio.all_tasks()
     for stats in sc.sidecar.client.stats().values():
         assert stats.total == stats.idle
+
+
+# -- bodies the upstream must not be read past: bytes after the answer, bodiless answers ------
+
+
+async def test_an_unsolicited_response_in_the_same_segment_is_neither_merged_nor_pooled(
+    sidecar_factory,
+):
+    """The upstream answers 200 "ok" and, in the same TCP segment, a second response nobody
+    asked for. ``Connection.data_received`` only checks ``complete`` before feeding the parser,
+    so httptools parses both messages in one ``feed_data``: the second head overwrites
+    ``status`` (503) and appends its headers (two Content-Length values reach the client), the
+    sequence retries a request the upstream answered 200 (three sends), and the connection --
+    whose state is unknown -- is released to the pool as reusable. nginx relays the first
+    response and closes the upstream connection ("upstream sent more data than specified")."""
+
+    async def two_answers(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            await read_head(r)
+            seen.append(1)
+            w.write(
+                b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+                b"HTTP/1.1 503 Smuggled\r\nX-Smuggled: yes\r\nContent-Length: 0\r\n\r\n"
+            )
+            await w.drain()
+
+    seen: list[int] = []
+    async with raw_server(two_answers) as port:
+        sc = await sidecar_factory(routes_yaml(f"http://127.0.0.1:{port}"))
+        out = await raw_request(
+            sc.sidecar.proxy_port, b"GET /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", 5
+        )
+        head, _, body = out.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert body == b"ok"
+        assert len(re.findall(rb"(?im)^content-length:", head)) == 1, head
+        assert b"X-Smuggled" not in head
+        assert len(seen) == 1  # answered once: nothing to retry
+        # A connection that spoke out of turn is closed, never pooled.
+        assert all(p.total == 0 for p in sc.sidecar.client.stats().values())
+
+
+async def test_head_204_and_304_answers_leave_the_connection_reusable(sidecar_factory):
+    """Bodiless answers whose head announces a length (HEAD, 304) or none (204): the exchange is
+    complete at the head, the client gets no body, and the one upstream connection is reused
+    for every request."""
+    connections = [0]
+
+    async def upstream(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        connections[0] += 1
+        while True:
+            head = await read_head(r)
+            if head.startswith(b"HEAD"):
+                w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+            elif b"/204" in head:
+                w.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+            elif b"/304" in head:
+                w.write(b"HTTP/1.1 304 Not Modified\r\nContent-Length: 1000\r\n\r\n")
+            else:
+                w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await w.drain()
+
+    async with raw_server(upstream) as port:
+        sc = await sidecar_factory(routes_yaml(f"http://127.0.0.1:{port}"))
+        async with aiohttp.ClientSession() as s:
+            for method, path, status, body in (
+                ("HEAD", "/h", 200, b""),
+                ("GET", "/204", 204, b""),
+                ("GET", "/304", 304, b""),
+                ("GET", "/ok", 200, b"ok"),
+                ("HEAD", "/h", 200, b""),
+                ("GET", "/ok", 200, b"ok"),
+            ):
+                async with s.request(method, sc.url + path) as r:
+                    assert (r.status, await r.read()) == (status, body)
+        assert connections[0] == 1
+        assert [(p.total, p.idle) for p in sc.sidecar.client.stats().values()] == [(1, 1)]
