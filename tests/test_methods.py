@@ -19,10 +19,12 @@ import pytest
 from aiohttp import web
 
 from sidecar.config.model import RetryPolicy
+from sidecar.proxy.framing import escape_request_line
 from sidecar.proxy.methods import PARSER_METHODS, stand_in
 from sidecar.proxy.server import GuardedRequestHandler, SidecarServer
 from sidecar.retry.classify import may_resend
 from tests import difftools as d
+from tests.conftest import reply, routes_yaml
 from tests.proc import SidecarProcess, free_port
 from tests.rawhttp import raw_request, raw_server, read_head
 from tests.wait import until
@@ -269,3 +271,27 @@ async def test_nothing_inside_a_request_is_taken_for_a_method() -> None:
         ("POST", "/up", b"BREW / HTTP/"),
         ("BREW", "/pot", b""),
     ]
+
+
+# -- a method with bytes over 0x7F is no token ---------------------------------------------------
+
+
+async def test_a_method_with_bytes_over_0x7f_is_refused_not_rewritten(
+    upstream_factory, sidecar_factory
+):
+    """``G\\xc3\\x89T`` is no token (RFC 9110 section 9.1): 400, nothing upstream. The escape
+    meant for raw bytes in the target made it ``G%C3%89T``, a valid token, and forwarded it."""
+    up = await upstream_factory(reply(200))
+    sc = await sidecar_factory(routes_yaml(up.url))
+    out = await raw_request(
+        sc.sidecar.proxy_port, b"G\xc3\x89T /x HTTP/1.1\r\nHost: t\r\n\r\n", timeout=5
+    )
+    assert out.split(b"\r\n", 1)[0].split(b" ")[1] == b"400", out[:200]
+    assert up.seen == []
+    # The target's bytes over 0x7F are still escaped for the parser, the method's never,
+    # whichever read the line's first space comes in.
+    assert escape_request_line(b"G\xc3\x89T /\xc3\xbc HTTP/1.1\r\n", b"")[0] == (
+        b"G\xc3\x89T /%C3%BC HTTP/1.1\r\n"
+    )
+    assert escape_request_line(b"T /\xc3\xbc", b"G\xc3\x89")[0] == b"T /%C3%BC"
+    assert escape_request_line(b"\xc3\xbc HTTP/1.1\r\n", b"GET /")[0] == b"%C3%BC HTTP/1.1\r\n"

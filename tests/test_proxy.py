@@ -436,3 +436,34 @@ async def test_http10_client_without_host_gets_the_upstream_authority(
     out = await raw_request(sc.sidecar.proxy_port, b"GET /old HTTP/1.0\r\n\r\n", 3.0)
     assert out.startswith(b"HTTP/1.0 200") and out.endswith(b"ok10")
     assert up.seen[0].header("Host") == f"127.0.0.1:{up.port}"
+
+
+# -- a key the client names as hop-by-hop is no key ---------------------------------------------
+
+
+async def test_a_key_named_in_connection_is_no_key_and_the_post_is_sent_once(
+    upstream_factory, sidecar_factory
+):
+    """``Connection: Idempotency-Key`` makes the key hop-by-hop: it is dropped, so the upstream
+    never sees it. The retry decision read the key from the client's headers all the same and
+    resent the POST twice, keyless. The key is what goes upstream."""
+    up = await upstream_factory(reply(503, b"down"))
+    sc = await sidecar_factory(routes_yaml(up.url))
+    port = sc.sidecar.proxy_port
+    out = await raw_request(
+        port,
+        b"POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: k-123\r\n"
+        b"Connection: Idempotency-Key, close\r\nContent-Length: 2\r\n\r\n{}",
+    )
+    assert out.startswith(b"HTTP/1.1 503"), out[:200]
+    assert len(up.seen) == 1
+    assert up.seen[0].header("Idempotency-Key") is None
+    assert up.seen[0].body == b"{}"
+    # The same POST with its key kept is resent, the key on every attempt.
+    up.seen.clear()
+    out = await raw_request(
+        port,
+        b"POST /orders HTTP/1.1\r\nHost: t\r\nIdempotency-Key: k-123\r\n"
+        b"Connection: close\r\nContent-Length: 2\r\n\r\n{}",
+    )
+    assert [s.header("Idempotency-Key") for s in up.seen] == ["k-123"] * 3

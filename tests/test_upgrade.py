@@ -1,6 +1,7 @@
 """HTTP Upgrade (WebSocket) through the real sidecar process (uvloop, as shipped), with real
 servers (websockets, aiohttp, python-socketio on aiohttp) and real clients (websockets,
-aiohttp's ws_connect, python-socketio's client) on loopback."""
+aiohttp's ws_connect, python-socketio's client) on loopback; and the upgrades it does not
+tunnel (h2c with a body, an upgrade the upstream refuses), in-process."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 import websockets
 from aiohttp import web
 
+from tests.conftest import reply, routes_yaml
 from tests.proc import SidecarProcess, free_port
 from tests.rawhttp import raw_request
 from tests.wait import until
@@ -242,3 +244,45 @@ async def test_enabled_false_sends_the_request_as_nginx_without_upgrade_config_w
             await websockets.connect(f"ws://127.0.0.1:{port}/")
         assert refused.value.response.status_code == 426
         assert metric(admin, "upgrades_total", route="ws", result="refused") == 0
+
+
+# -- upgrades the sidecar does not tunnel: h2c with a body, a refused upgrade -------------------
+
+
+async def test_a_request_pipelined_after_an_h2c_upgrade_with_a_body_is_answered(
+    upstream_factory, sidecar_factory
+):
+    """``curl --http2 -d`` to an http:// URL: a POST with ``Upgrade: h2c`` and a body. It is
+    proxied as an ordinary request; the request pipelined behind it was lost (the framing
+    stopped cutting after any Upgrade, and the parser dropped what followed the body)."""
+    up = await upstream_factory(reply(200, b"ok"))
+    sc = await sidecar_factory(routes_yaml(up.url))
+    first = (
+        b"POST /first HTTP/1.1\r\nHost: t\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+        b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+        b"Content-Length: 5\r\n\r\nhello"
+    )
+    second = b"GET /second HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+    out = await raw_request(sc.sidecar.proxy_port, first + second, timeout=5)
+    assert out.count(b"HTTP/1.1 200") == 2, out
+    assert [s.raw_path for s in up.seen] == ["/first", "/second"]
+    assert up.seen[0].body == b"hello"
+
+
+@pytest.mark.slow
+async def test_an_upgrade_the_upstream_refuses_ends_not_retryable(
+    upstream_factory, sidecar_factory
+):
+    """An upgrade is sent once: a 503 answer to it is relayed with fate ``not-retryable``,
+    not ``body-too-large`` (it has no body)."""
+    up = await upstream_factory(reply(503, b"busy"))
+    sc = await sidecar_factory(routes_yaml(up.url))
+    out = await raw_request(
+        sc.sidecar.proxy_port,
+        b"GET /ws HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n",
+        timeout=5,
+    )
+    assert out.startswith(b"HTTP/1.1 503"), out[:200]
+    assert b"x-retry-fate: not-retryable" in out.lower()
+    assert len(up.seen) == 1
