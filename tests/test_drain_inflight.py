@@ -1,4 +1,4 @@
-"""A drain (SIGTERM) with requests in flight, found by an outside attack with real clients:
+"""A drain (SIGTERM) with requests in flight, seen with real clients:
 
 - an upload whose body was still arriving when the drain began was never read further
   (aiohttp reads nothing once a connection is closing): the request waited out the whole

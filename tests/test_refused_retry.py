@@ -1,4 +1,4 @@
-"""A retry that the sidecar's own limits refuse relays the last upstream answer (finding 6).
+"""A retry that the sidecar's own limits refuse relays the last upstream answer.
 
 After an upstream 503, the retry finds the connection pool full: the upstream was not asked
 again, so its 503 stands, with fate ``overloaded`` -- as when the budget or the throttle
