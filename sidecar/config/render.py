@@ -1,6 +1,7 @@
 """What the schema renders: the README's key table, the example file with every default, and a
 config as ``GET /config`` shows it. ``python3 -m sidecar.config.render`` rewrites the README's
-table and ``config/sidecar.yaml``; tests/test_config_docs.py fails when either has drifted."""
+table and ``config/sidecar.yaml``; tests/config/test_config_schema.py fails when either has
+drifted."""
 
 from __future__ import annotations
 
