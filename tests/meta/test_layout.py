@@ -1,6 +1,6 @@
 """The tests mirror the source: every test module lives in a folder named for a package of
 sidecar/ (``tests/proxy/`` for ``sidecar/proxy/``) or for a kind of test that spans them
-(``integration``, ``differential``, ``chaos``, ``meta``), and every package of sidecar/ has its
+(``integration``, ``differential``, ``adversarial``, ``meta``), and every package of sidecar/ has its
 folder with at least one test in the quick tier. Shared helpers stay at ``tests/`` top level."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ TESTS = ROOT / "tests"
 # Folders for tests that are not about one package: the real process end to end (and what
 # ships it), suites that compare against real apps and clients, hostile and random traffic,
 # and the repository's own rules.
-ACROSS = ("integration", "differential", "chaos", "meta")
+ACROSS = ("integration", "differential", "adversarial", "meta")
 
 
 def packages() -> list[str]:
@@ -49,3 +49,11 @@ def test_every_package_of_sidecar_has_a_folder_with_a_quick_test():
     quick = {line.split("/")[1] for line in res.stdout.splitlines() if line.startswith("tests/")}
     missing = [p for p in packages() if p not in quick]
     assert missing == [], f"no quick-tier test in tests/<package>/ for: {missing}"
+
+
+def test_no_test_folder_shadows_a_shared_helper():
+    """A folder ``tests/x/`` is imported in place of the helper ``tests/x.py`` (a package wins
+    over a module of the same name), so ``from tests import x`` would stop finding its code."""
+    helpers = {p.stem for p in TESTS.glob("*.py")}
+    folders = {p.parent.name for p in TESTS.rglob("test_*.py")}
+    assert sorted(helpers & folders) == []
