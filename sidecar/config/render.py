@@ -75,6 +75,15 @@ def written(value: Any, key: schema.Key | None = None) -> str:
     return json.dumps(text)
 
 
+def setting(section: object, attr: str) -> str:
+    """``section``'s key ``attr`` as the config file writes it, by the schema's unit (a duration
+    as ``60s``, a size as ``64KiB``): what ``retry-sidecar explain`` prints for a setting."""
+    for e in schema.entries(type(section)):
+        if e.attr == attr:
+            return written(getattr(section, attr), e.key)
+    raise KeyError(f"{type(section).__name__} declares no key {attr!r}")
+
+
 def _flow(value: object) -> str:
     parts = [f"{e.name}: {written(getattr(value, e.attr), e.key)}" for e in _of(value)]
     return "{" + ", ".join(parts) + "}"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -242,3 +243,24 @@ def test_explain_says_which_methods_a_route_hedges():
     )
     text = "\n".join(explain_route(c.routes[0]))
     assert "hedging: on for DELETE, GET (never with an Idempotency-Key)" in text
+
+
+def test_explain_writes_each_setting_as_the_config_file_does():
+    """explain prints a setting by its unit in the schema, as config/sidecar.yaml is rendered
+    from it: the default deadline is ``timeout: 60s`` there and ``deadline 60s`` here (it was
+    ``1m``); 1h stays ``1h`` (was ``60m``), 1500ms stays ``1500ms`` (was ``1.5s``)."""
+    from sidecar.explain import explain_route
+
+    example = (ROOT / "config" / "sidecar.yaml").read_text()
+    assert re.search(r"^  timeout: 60s ", example, re.M)
+    for route in parse_text(example).routes:
+        assert "deadline 60s," in "\n".join(explain_route(route))
+    c = parse_text(
+        "version: 1\nroutes:\n  - name: r\n    upstream: http://h:1\n    timeout: 1h\n"
+        "    retry: {attempts: 3, backoff: {base: 1500ms, max: 90s}}\n"
+        "    breaker: {open_for: 2m, max_open_for: 1h}\n    budget: {window: 30s}\n"
+    )
+    out = "\n".join(explain_route(c.routes[0]))
+    assert "deadline 1h, backoff full_jitter 1500ms..90s" in out
+    assert "open 120s, doubled on each reopen up to 1h" in out
+    assert "retry budget: ratio 0.5 + 10/s over 30s" in out
