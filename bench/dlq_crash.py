@@ -4,7 +4,7 @@ Each round starts the real sidecar process (a write route with ``dlq: {respond: 
 front of an upstream that always fails), sends writes from many concurrent clients, records every
 acknowledged id (202 + dlq_id) with the SHA-256 of the body it sent, kills the process with
 SIGKILL mid-stream, restarts it, and checks that every acknowledged id is in the file with an
-intact body. Used by tests/test_dlq_crash.py (a few rounds) and bench/dlq.py (30 rounds).
+intact body. Used by tests/dlq/test_dlq_crash.py (a few rounds) and bench/dlq.py (30 rounds).
 """
 
 from __future__ import annotations

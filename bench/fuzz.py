@@ -1,6 +1,6 @@
 """Coverage-guided fuzzing with atheris (PyPI) of the config parser and the request-head
-handling, for a bounded time. What it finds becomes a regression test in
-tests/test_fuzz_regressions.py.
+handling, for a bounded time. What it finds becomes a regression test beside the fixed seeds
+of tests/adversarial/test_fuzz_harness.py.
 
     python3 -m bench.fuzz config --seconds 60
     python3 -m bench.fuzz head --seconds 60

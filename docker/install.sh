@@ -1,5 +1,5 @@
 #!/bin/sh
-# The image's install step, also run by tests/test_deploy.py in a fresh virtual environment so
+# The image's install step, also run by tests/integration/test_deploy.py in a fresh virtual environment so
 # the Dockerfile cannot rot unnoticed. Usage: docker/install.sh VENV_DIR [SOURCE_DIR]
 # The hot path is compiled with mypyc (setup.py); RETRY_SIDECAR_BUILD=pure installs the pure
 # Python build instead. mypy is needed only to build and is removed afterwards.

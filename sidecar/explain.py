@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sidecar.config.model import Config, Route
-from sidecar.config.units import format_duration
+from sidecar.config.render import setting
 from sidecar.retry.worstcase import budget_multiplier, stacked, worst_case
 
 RATES = (100.0, 1000.0)
@@ -12,11 +12,11 @@ RATES = (100.0, 1000.0)
 def _per_try(route: Route) -> str:
     p = route.retry
     if p.per_try_timeout is not None:
-        return f"per-try {format_duration(p.per_try_timeout)} (an attempt is abandoned then)"
+        return f"per-try {setting(p, 'per_try_timeout')} (an attempt is abandoned then)"
     a = p.auto_timeout
     return (
-        f"per-try auto ({a.multiplier:g} x p{a.percentile * 100:g} of recent attempts, "
-        f"{format_duration(a.min)}..{format_duration(a.max)}; never abandoned)"
+        f"per-try auto ({setting(a, 'multiplier')} x p{a.percentile * 100:g} of recent attempts, "
+        f"{setting(a, 'min')}..{setting(a, 'max')}; never abandoned)"
     )
 
 
@@ -27,16 +27,16 @@ def _storm_lines(route: Route) -> list[str]:
     lines = []
     retries_100 = min(p.attempts - 1, b.ratio + b.min_per_second / 100.0)
     lines.append(
-        f"  retry budget: ratio {b.ratio:g} + {b.min_per_second:g}/s over "
-        f"{format_duration(b.window)}: at 100 req/s at most {retries_100:.2f} retries per request "
+        f"  retry budget: ratio {setting(b, 'ratio')} + {setting(b, 'min_per_second')}/s over "
+        f"{setting(b, 'window')}: at 100 req/s at most {retries_100:.2f} retries per request "
         f"on average (attempts {p.attempts} alone would allow {p.attempts - 1}, as nginx's "
         f"{p.attempts} tries do)"
     )
     if t.enabled:
         lines.append(
-            f"  adaptive throttle: retries and hedges refused with p = (attempts - {t.k:g} x "
-            f"accepted) / (attempts + 1) over {format_duration(t.window)} (from "
-            f"{t.min_requests} attempts): none while >= {100 / t.k:.0f}% are accepted, "
+            f"  adaptive throttle: retries and hedges refused with p = (attempts - "
+            f"{setting(t, 'k')} x accepted) / (attempts + 1) over {setting(t, 'window')} (from "
+            f"{setting(t, 'min_requests')} attempts): none while >= {100 / t.k:.0f}% are accepted, "
             f"{max(0.0, 1 - t.k * 0.4):.0%} at 60% failing, all once 5% or fewer are; "
             f"first attempts are never throttled"
         )
@@ -48,8 +48,8 @@ def _storm_lines(route: Route) -> list[str]:
         lines.append(
             f"  hedging: on for {methods} (never with an Idempotency-Key): a request "
             f"unanswered after the per-try timeout is raced by another attempt (another "
-            f"endpoint first); budget ratio {h.ratio:g} + {h.min_per_second:g}/s over "
-            f"{format_duration(h.window)}"
+            f"endpoint first); budget ratio {setting(h, 'ratio')} + "
+            f"{setting(h, 'min_per_second')}/s over {setting(h, 'window')}"
         )
     elif not h.enabled:
         lines.append("  hedging: off (opt-in per route: hedge: {enabled: true})")
@@ -57,24 +57,26 @@ def _storm_lines(route: Route) -> list[str]:
         lines.append("  hedging: off (needs per_try_timeout: auto and attempts >= 2)")
     if br.enabled:
         lines.append(
-            f"  breaker: opens when >= {br.failure_ratio:g} of >= {br.min_sequences} sequences in "
-            f"{format_duration(br.window)} failed after their whole policy; open "
-            f"{format_duration(br.open_for)}, doubled on each reopen up to "
-            f"{format_duration(br.max_open_for)}; half-open ramps traffic back over "
-            f"{format_duration(br.ramp)} (judging >= {br.half_open_probes} sequences)"
+            f"  breaker: opens when >= {setting(br, 'failure_ratio')} of >= "
+            f"{setting(br, 'min_sequences')} sequences in {setting(br, 'window')} failed after "
+            f"their whole policy; open "
+            f"{setting(br, 'open_for')}, doubled on each reopen up to "
+            f"{setting(br, 'max_open_for')}; half-open ramps traffic back over "
+            f"{setting(br, 'ramp')} (judging >= {setting(br, 'half_open_probes')} sequences)"
         )
     else:
         lines.append("  breaker: off")
     if bh.adaptive:
         lines.append(
-            f"  concurrency: adaptive, {bh.min_concurrent}..{bh.max_concurrent} upstream attempts "
-            f"in flight following latency (over it: 503 at once); bulkhead "
-            f"{bh.max_concurrent} sequences, queue {format_duration(bh.queue_timeout)}"
+            f"  concurrency: adaptive, {setting(bh, 'min_concurrent')}.."
+            f"{setting(bh, 'max_concurrent')} upstream attempts in flight following latency "
+            f"(over it: 503 at once); bulkhead "
+            f"{setting(bh, 'max_concurrent')} sequences, queue {setting(bh, 'queue_timeout')}"
         )
     else:
         lines.append(
-            f"  concurrency: fixed bulkhead of {bh.max_concurrent} sequences, queue "
-            f"{format_duration(bh.queue_timeout)} (adaptive limit: opt-in per route, "
+            f"  concurrency: fixed bulkhead of {setting(bh, 'max_concurrent')} sequences, queue "
+            f"{setting(bh, 'queue_timeout')} (adaptive limit: opt-in per route, "
             "bulkhead: {adaptive: true})"
         )
     eps = ", ".join(u.authority for u in route.upstreams)
@@ -93,10 +95,10 @@ def explain_route(route: Route) -> list[str]:
     lines = [
         f"route {route.name} -> {', '.join(str(u) for u in route.upstreams)}",
         f"  policy: attempts {p.attempts}, {_per_try(route)}, "
-        f"deadline {format_duration(route.timeout)}, backoff {p.backoff.strategy} "
-        f"{format_duration(p.backoff.base)}..{format_duration(p.backoff.max)}"
+        f"deadline {setting(route, 'timeout')}, backoff {setting(p.backoff, 'strategy')} "
+        f"{setting(p.backoff, 'base')}..{setting(p.backoff, 'max')}"
         + (
-            f", Retry-After honoured up to {format_duration(p.retry_after.max)}"
+            f", Retry-After honoured up to {setting(p.retry_after, 'max')}"
             if p.retry_after.honor
             else ""
         ),
@@ -109,7 +111,8 @@ def explain_route(route: Route) -> list[str]:
     steady = "x1.00 once the throttle has seen it" if route.throttle.enabled else ""
     lines.append(
         f"  upstream load in a full outage:   x{wc.attempts:.2f} without budget; with budget "
-        f"(ratio {b.ratio:g}, floor {b.min_per_second:g}/s over {format_duration(b.window)}): "
+        f"(ratio {setting(b, 'ratio')}, floor {setting(b, 'min_per_second')}/s over "
+        f"{setting(b, 'window')}): "
         + ", ".join(f"x{m:.2f} at {r:g} req/s" for m, r in zip(with_budget, RATES, strict=True))
         + (f"; {steady}" if steady else "")
     )

@@ -11,7 +11,7 @@ connection is idle or closed, no breaker is wedged (the upstream turned healthy,
 closes again), asyncio tasks and file descriptors are back to their baseline, RSS is back near
 its baseline, and every DLQ record the client was told about holds the full body it sent.
 
-Used by tests/test_chaos.py (about a minute) and bench/chaos.py (a soak of any length).
+Used by tests/adversarial/test_chaos.py (about a minute) and bench/chaos.py (a soak of any length).
 """
 
 from __future__ import annotations

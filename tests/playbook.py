@@ -31,7 +31,7 @@ from sidecar.retry.decide import Constraints
 from sidecar.retry.endpoints import Endpoint
 from sidecar.telemetry.events import Recorder
 from sidecar.testing import FakeClock, FixedRng
-from tests.test_explain import fake_response
+from tests.engine.test_explain import fake_response
 
 # -- what we answer an attempt with ----------------------------------------------------------
 

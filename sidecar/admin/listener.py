@@ -9,7 +9,7 @@ the first three (its keep-alive default is an hour).
 ``web.AppRunner`` builds aiohttp's plain server in ``_make_server``; this runner lets it (so
 the application is started and frozen the usual way) and serves the same handler and request
 factory from a ``SidecarServer`` instead. That method is aiohttp-internal, pinned by the
-version range in pyproject.toml and covered by tests/test_admin_guard.py.
+version range in pyproject.toml and covered by tests/admin/test_admin_guard.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """What the schema renders: the README's key table, the example file with every default, and a
 config as ``GET /config`` shows it. ``python3 -m sidecar.config.render`` rewrites the README's
-table and ``config/sidecar.yaml``; tests/test_config_docs.py fails when either has drifted."""
+table and ``config/sidecar.yaml``; tests/config/test_config_schema.py fails when either has
+drifted."""
 
 from __future__ import annotations
 
@@ -72,6 +73,15 @@ def written(value: Any, key: schema.Key | None = None) -> str:
     if _PLAIN.fullmatch(text) and yaml.safe_load(text) == text:
         return text
     return json.dumps(text)
+
+
+def setting(section: object, attr: str) -> str:
+    """``section``'s key ``attr`` as the config file writes it, by the schema's unit (a duration
+    as ``60s``, a size as ``64KiB``): what ``retry-sidecar explain`` prints for a setting."""
+    for e in schema.entries(type(section)):
+        if e.attr == attr:
+            return written(getattr(section, attr), e.key)
+    raise KeyError(f"{type(section).__name__} declares no key {attr!r}")
 
 
 def _flow(value: object) -> str:

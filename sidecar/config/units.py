@@ -76,12 +76,3 @@ def parse_size(value: object) -> int:
     if size > MAX_SIZE:
         raise UnitError(f"a size must be at most {MAX_SIZE} bytes")
     return size
-
-
-def format_duration(seconds: float) -> str:
-    """The inverse of parse_duration, for humans (explain, error messages)."""
-    if seconds < 1:
-        return f"{seconds * 1000:.0f}ms"
-    if seconds < 60:
-        return f"{seconds:g}s"
-    return f"{seconds / 60:g}m"

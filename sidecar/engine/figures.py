@@ -5,7 +5,7 @@ the throttle, the concurrency limit and the bulkhead.
 Every view projects one ``RouteFigures``: ``GET /status`` and the status page
 (``admin/snapshot.py``, ``admin/render.py``), the ``retry-sidecar status`` table
 (``admin/verbs.py``), ``GET /breakers`` (``admin/server.py``) and the Prometheus gauges
-(``admin/gauges.py``). None of them reads a route's state itself (``tests/test_figures.py``).
+(``admin/gauges.py``). None of them reads a route's state itself (``tests/engine/test_figures.py``).
 
 A figure is declared once, below, with how it is computed (``figures_of``). It is in
 ``GET /status`` by its field name; one whose field carries ``column`` metadata is also a column

@@ -10,7 +10,7 @@ a sequence of one attempt at a time.
 This module is deliberately NOT compiled with mypyc (setup.py's list): its loop awaits inside
 an ``async with`` that the client's cancellation unwinds with awaits of its own, and mypyc's
 coroutines have corrupted the exception in flight on that path (a crash reproduced by
-tests/test_hedging.py under the compiled build). The decisions it calls are the compiled
+tests/engine/test_hedging.py under the compiled build). The decisions it calls are the compiled
 driver's; only the waiting is here.
 """
 

@@ -68,7 +68,7 @@ class ProxyHandler:
             resp413 = client_error(413, str(exc))
             resp413.force_close()  # the rest of the body is not read
             return ctx.finish(resp413, Fate.NOT_RETRYABLE, 0)
-        except BodyStalled as stalled:  # not "exc": see tests/test_build.py (mypyc)
+        except BodyStalled as stalled:  # not "exc": see tests/integration/test_build.py (mypyc)
             self.deps.malformed("body-timeout")
             resp408 = client_error(408, str(stalled))
             resp408.force_close()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 
 # What llhttp accepts as a request method (checked against the installed parser by
-# tests/test_methods.py); every other token is stood in for.
+# tests/proxy/test_methods.py); every other token is stood in for.
 PARSER_METHODS = frozenset(
     {
         "DELETE", "GET", "HEAD", "POST", "PUT", "OPTIONS", "TRACE", "COPY", "LOCK", "MKCOL",

@@ -11,7 +11,7 @@ second stays connected forever) and logs a traceback at ERROR for every malforme
 
 It relies on two aiohttp internals (``RequestHandler.data_received``'s message queue and
 ``_make_error_handler``), pinned by the version range in pyproject.toml and covered by
-tests/test_hardening.py, which fail if either stops behaving.
+tests/proxy/test_hardening.py, which fail if either stops behaving.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ class Metrics:
     """The metrics listed in README.md ("Metrics"), and an EventSink that keeps them current.
 
     Their names are a contract: the chart's dashboard and alerts use them, and
-    tests/test_monitoring.py fails when one is renamed.
+    tests/telemetry/test_monitoring.py fails when one is renamed.
     """
 
     def __init__(self) -> None:

@@ -172,7 +172,8 @@ class Connection(asyncio.Protocol):
             else:
                 self._fail(UpstreamReset(f"malformed response from upstream: {exc}"))
                 self.close()
-        except httptools.HttpParserError as bad:  # not "exc": see tests/test_build.py (mypyc)
+        # not "exc": see tests/integration/test_build.py (mypyc)
+        except httptools.HttpParserError as bad:
             if self.state.resp is Resp.DONE:
                 self._extra()  # garbage after a complete response
             else:

@@ -1,0 +1,236 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sidecar.config.errors import ConfigError
+from sidecar.config.parse import parse_file, parse_text
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "config" / "sidecar.yaml"
+
+
+def errors_of(text: str) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse_text(text, "c.yaml")
+    return info.value.lines()
+
+
+def test_example_config_is_valid_and_inherits_defaults():
+    c = parse_file(str(EXAMPLE))
+    orders = c.route("orders")
+    assert orders is not None
+    assert orders.retry.attempts == 4  # overridden
+    assert orders.retry.per_try_timeout is None  # inherited: auto
+    assert orders.dlq.enabled and orders.dlq.max_replays == 5
+    assert orders.match.methods == frozenset({"GET", "POST"})
+    assert len(c.sha256) == 64
+
+
+def test_route_override_changes_only_the_keys_it_names():
+    c = parse_text(
+        """
+version: 1
+defaults:
+  retry: {attempts: 5, backoff: {strategy: constant, base: 10ms, max: 1s}}
+routes:
+  - name: a
+    upstream: http://127.0.0.1:1
+    retry: {backoff: {base: 50ms}}
+"""
+    )
+    r = c.routes[0]
+    assert r.retry.attempts == 5
+    assert (r.retry.backoff.strategy, r.retry.backoff.base, r.retry.backoff.max) == (
+        "constant",
+        0.05,
+        1.0,
+    )
+
+
+def test_errors_name_line_and_key_path():
+    lines = errors_of(
+        """version: 1
+defaults:
+  retry:
+    attempts: 0
+    backof: {}
+routes:
+  - name: a
+    upstream: http://127.0.0.1:1
+  - name: b
+    upstream: http://127.0.0.1:1
+    retry:
+      per_try_timeout: 2
+      retry_on: [503, sometimes]
+"""
+    )
+    assert "c.yaml:4: defaults.retry.attempts: must be from 1 to 10, got 0" in lines
+    assert any(line.startswith("c.yaml:5: defaults.retry.backof: unknown key") for line in lines)
+    assert any(
+        line.startswith("c.yaml:12: routes[1].retry.per_try_timeout: expected a duration")
+        for line in lines
+    )
+    assert any(
+        line.startswith("c.yaml:13: routes[1].retry.retry_on: unknown retry condition")
+        for line in lines
+    )
+
+
+@pytest.mark.parametrize(
+    ("snippet", "path", "fragment"),
+    [
+        (
+            "  - name: a\n    upstream: http://h:1\n    timeout: soon\n",
+            "routes[0].timeout",
+            "duration",
+        ),
+        (
+            "  - name: a\n    match: {path_regex: '(['}\n    upstream: http://h:1\n",
+            "routes[0].match.path_regex",
+            "invalid regular expression",
+        ),
+        ("  - name: a\n", "routes[0].upstream", "required"),
+        (
+            "  - name: a\n    upstream: http://h:1\n  - name: a\n    upstream: http://h:1\n",
+            "routes[1].name",
+            "duplicate route name",
+        ),
+        ("  - name: 'has space'\n    upstream: http://h:1\n", "routes[0].name", "letters"),
+        ("  - name: a\n    upstream: ftp://h:1\n", "routes[0].upstream", "http://"),
+        (
+            "  - name: a\n    upstream: http://h:1\n    match: {methods: [FETCH]}\n",
+            "routes[0].match.methods",
+            "unknown HTTP method",
+        ),
+        (
+            "  - name: a\n    upstream: http://h:1\n    retry: {backoff: {strategy: random}}\n",
+            "routes[0].retry.backoff.strategy",
+            "must be one of",
+        ),
+        (
+            "  - name: a\n    upstream: http://h:1\n    retry: {non_idempotent: sometimes}\n",
+            "routes[0].retry.non_idempotent",
+            "must be one of",
+        ),
+        (
+            "  - name: a\n    upstream: http://h:1\n    breaker: {failure_ratio: 2}\n",
+            "routes[0].breaker.failure_ratio",
+            "at most 1",
+        ),
+        (
+            "  - name: a\n    upstream: http://h:1\n    retry: {max_body_bytes: lots}\n",
+            "routes[0].retry.max_body_bytes",
+            "size",
+        ),
+    ],
+)
+def test_each_kind_of_mistake_is_caught(snippet, path, fragment):
+    lines = errors_of("version: 1\nroutes:\n" + snippet)
+    assert any(f": {path}: " in line and fragment in line for line in lines), lines
+
+
+def test_missing_routes_version_and_empty_file():
+    assert any("routes: required" in line for line in errors_of("version: 1\n"))
+    assert any("version: required" in line for line in errors_of("routes: []\n"))
+    assert any("empty" in line for line in errors_of(""))
+
+
+def test_unknown_top_level_key_and_bad_yaml():
+    assert any(
+        "c.yaml:2: listn: unknown key" in line for line in errors_of("version: 1\nlistn: x\n")
+    )
+    lines = errors_of("version: 1\nroutes: [\n")
+    assert lines[0].startswith("c.yaml:") and "invalid YAML" in lines[0]
+
+
+def test_alias_bomb_is_refused_quickly():
+    bomb = "a: &a [x,x,x,x,x,x,x,x,x,x]\n"
+    prev = "a"
+    for i in range(12):
+        name = f"b{i}"
+        bomb += (
+            f"{name}: &{name} [*{prev},*{prev},*{prev},*{prev},*{prev},*{prev},*{prev},*{prev}]\n"
+        )
+        prev = name
+    lines = errors_of(bomb)
+    assert any("alias bomb" in line for line in lines)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=300))
+def test_parser_never_crashes_and_always_names_a_path(text):
+    try:
+        parse_text(text, "f.yaml")
+    except ConfigError as exc:
+        for line in exc.lines():
+            assert line.startswith("f.yaml:")
+            assert line.count(": ") >= 2
+
+
+def test_validate_cli_ok_and_error_format(tmp_path):
+    ok = subprocess.run(
+        [sys.executable, "-m", "sidecar", "validate", str(EXAMPLE)], capture_output=True, text=True
+    )
+    assert ok.returncode == 0 and ok.stdout.strip() == "OK: 2 routes"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "version: 1\nroutes:\n  - name: a\n    upstream: http://h:1\n    retry: {attempts: 99}\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "sidecar", "validate", str(bad)], capture_output=True, text=True
+    )
+    assert res.returncode == 1
+    assert res.stdout.strip() == f"{bad}:5: routes[0].retry.attempts: must be from 1 to 10, got 99"
+
+
+def test_version_flag():
+    res = subprocess.run(
+        [sys.executable, "-m", "sidecar", "--version"], capture_output=True, text=True
+    )
+    assert res.returncode == 0 and res.stdout.startswith("retry-sidecar ")
+
+
+def test_upstream_pool_and_workers():
+    c = parse_text(
+        "version: 1\nupstream_pool: {max_connections: 8, wait_timeout: 50ms, idle_timeout: 2s}\n"
+        "workers: 1\nroutes: [{name: a, upstream: 'http://h:1'}]\n"
+    )
+    assert (c.upstream_pool.max_connections, c.upstream_pool.wait_timeout) == (8, 0.05)
+    assert c.upstream_pool.idle_timeout == 2.0 and c.upstream_pool.connect_timeout == 1.0
+    lines = errors_of("version: 1\nworkers: 4\nroutes: [{name: a, upstream: 'http://h:1'}]\n")
+    assert lines[0].startswith("c.yaml:2: workers: only 1 is supported")
+
+
+def test_huge_documents_are_refused_before_parsing():
+    text = "version: 1\n" + "# filler\n" * 200_000  # ~1.8 MB
+    lines = errors_of(text)
+    # The size check comes before any YAML work: the refusal is about size, not content.
+    assert lines == ["c.yaml:1: <document>: the document is larger than 1048576 bytes"]
+
+
+def test_stream_idle_timeout_is_inherited_overridden_and_checked():
+    c = parse_text(
+        """
+version: 1
+defaults:
+  stream_idle_timeout: 90s
+routes:
+  - {name: a, upstream: "http://h:1"}
+  - {name: sse, upstream: "http://h:1", stream_idle_timeout: 10m}
+"""
+    )
+    a, sse = c.route("a"), c.route("sse")
+    assert a is not None and sse is not None
+    assert (a.stream_idle_timeout, sse.stream_idle_timeout) == (90.0, 600.0)
+    plain = parse_text('version: 1\nroutes: [{name: a, upstream: "http://h:1"}]')
+    assert plain.routes[0].stream_idle_timeout == 60.0  # nginx's proxy_read_timeout
+    assert any(
+        "routes[0].stream_idle_timeout" in line
+        for line in errors_of(
+            'version: 1\nroutes: [{name: a, upstream: "http://h:1", stream_idle_timeout: 0s}]'
+        )
+    )

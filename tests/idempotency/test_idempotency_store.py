@@ -1,0 +1,324 @@
+"""The SQLite idempotency store, for real: temporary files, restarts by reopening, concurrent
+claims from coroutines, threads and processes, a writer killed mid-transaction. Each async test
+runs under asyncio and under uvloop (as shipped)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+import stat
+import subprocess
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvloop
+
+from sidecar.idempotency.keep import KeptAnswer
+from sidecar.idempotency.prune import prune_pass
+from sidecar.idempotency.sqlite import SqliteIdempotencyStore
+from sidecar.idempotency.store import Busy, Claimed, Finished, Mismatch, StoreError
+from sidecar.testing import FakeClock
+
+ROOT = Path(__file__).resolve().parents[2]
+Run = Callable[[Callable[[], Awaitable[Any]]], Any]
+ANSWER = KeptAnswer(201, ((b"Content-Type", b"application/json"),), b'{"id": 7}')
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def run(request: pytest.FixtureRequest) -> Run:
+    def go(main: Callable[[], Awaitable[Any]]) -> Any:
+        async def wrapped() -> Any:
+            return await main()
+
+        if request.param == "uvloop":
+            return uvloop.run(wrapped())
+        return asyncio.run(wrapped())
+
+    return go
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "keys" / "idempotency.sqlite3"
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def opened(path: Path, clock: FakeClock, **kw: Any) -> SqliteIdempotencyStore:
+    store = SqliteIdempotencyStore(str(path), clock, **kw)
+    store.open()
+    return store
+
+
+@pytest.fixture
+def store(db: Path, clock: FakeClock) -> Iterator[SqliteIdempotencyStore]:
+    s = opened(db, clock)
+    yield s
+    s.close()
+
+
+def test_a_finished_answer_is_replayed_and_survives_a_restart(
+    run: Run, db: Path, clock: FakeClock
+) -> None:
+    first = opened(db, clock)
+
+    async def before() -> None:
+        claim = await first.claim("k", "fp", 30.0)
+        assert isinstance(claim, Claimed) and not claim.took_over
+        busy = await first.claim("k", "fp", 30.0)
+        assert busy == Busy(clock.wall() + 30.0)
+        assert await first.claim("k", "other", 30.0) == Mismatch()
+        assert await first.complete("k", claim.token, ANSWER, 3600.0)
+
+    run(before)
+    first.close()
+    assert stat.S_IMODE(os.stat(db).st_mode) == 0o600
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    again = opened(db, clock)
+
+    async def after() -> None:
+        got = await again.claim("k", "fp", 30.0)
+        assert isinstance(got, Finished) and got.record.answer == ANSWER
+        assert got.record.finished and got.record.expires_at == clock.wall() + 3600.0
+        assert await again.claim("k", "other", 30.0) == Mismatch()
+        record = await again.get("k")
+        assert record is not None and record.answer == ANSWER
+        assert await again.forget("k")
+        assert isinstance(await again.claim("k", "fp", 30.0), Claimed)
+
+    run(after)
+    again.close()
+
+
+def test_release_and_complete_are_compare_and_set_on_the_token(
+    run: Run, store: SqliteIdempotencyStore
+) -> None:
+    async def main() -> None:
+        claim = await store.claim("k", "fp", 30.0)
+        assert isinstance(claim, Claimed)
+        assert not await store.release("k", "not-the-token")
+        assert not await store.complete("k", "not-the-token", ANSWER, 60.0)
+        assert isinstance(await store.claim("k", "fp", 30.0), Busy)
+        assert await store.release("k", claim.token)
+        assert not await store.release("k", claim.token)
+        assert await store.get("k") is None
+        assert isinstance(await store.claim("k", "fp", 30.0), Claimed)
+
+    run(main)
+
+
+def test_a_dead_holders_lease_is_taken_over_and_its_late_answer_refused(
+    run: Run, store: SqliteIdempotencyStore, clock: FakeClock
+) -> None:
+    async def main() -> None:
+        dead = await store.claim("k", "fp", 5.0)
+        assert isinstance(dead, Claimed)
+        clock.advance(4.9)
+        assert isinstance(await store.claim("k", "fp", 5.0), Busy)
+        clock.advance(0.1)
+        taker = await store.claim("k", "fp", 5.0)
+        assert isinstance(taker, Claimed) and taker.took_over
+        assert not await store.complete("k", dead.token, ANSWER, 60.0)
+        assert not await store.release("k", dead.token)
+        assert await store.complete("k", taker.token, ANSWER, 60.0)
+        clock.advance(60.0)  # the ttl passed: the key is gone, a new request is first
+        again = await store.claim("k", "other", 5.0)
+        assert isinstance(again, Claimed) and not again.took_over
+
+    run(main)
+
+
+def test_concurrent_claims_from_coroutines_give_exactly_one_claim(
+    run: Run, store: SqliteIdempotencyStore
+) -> None:
+    async def main() -> list[object]:
+        return list(await asyncio.gather(*(store.claim("k", "fp", 30.0) for _ in range(100))))
+
+    results = run(main)
+    assert sum(isinstance(r, Claimed) for r in results) == 1
+    assert sum(isinstance(r, Busy) for r in results) == 99
+
+
+def test_concurrent_claims_from_threads_each_with_its_store_give_exactly_one(
+    db: Path, clock: FakeClock
+) -> None:
+    """Four stores on one file (as four processes sharing it), each driven by its own thread
+    and loop: the claim's transaction makes one of the 100 claims win."""
+    stores = [opened(db, clock) for _ in range(4)]
+    results: list[object] = []
+    lock = threading.Lock()
+    start = threading.Barrier(len(stores))
+
+    def worker(s: SqliteIdempotencyStore) -> None:
+        async def main() -> list[object]:
+            start.wait()
+            return list(await asyncio.gather(*(s.claim("k", "fp", 30.0) for _ in range(25))))
+
+        got = asyncio.run(main())
+        with lock:
+            results.extend(got)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for s in stores:
+        s.close()
+    assert len(results) == 100
+    assert sum(isinstance(r, Claimed) for r in results) == 1
+
+
+def hold_the_write_lock(db: Path) -> sqlite3.Connection:
+    blocker = sqlite3.connect(db, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    return blocker
+
+
+def test_a_claim_that_times_out_is_a_store_error_and_is_undone(
+    run: Run, db: Path, clock: FakeClock
+) -> None:
+    store = opened(db, clock, timeout=0.2, busy_timeout_ms=30_000)
+    blocker = hold_the_write_lock(db)
+
+    async def main() -> None:
+        with pytest.raises(StoreError, match="did not answer"):
+            await store.claim("k", "fp", 30.0)
+        blocker.execute("COMMIT")  # the claim now runs late, then its undo behind it
+        assert await store.get("k") is None
+        assert isinstance(await store.claim("k", "fp", 30.0), Claimed)
+
+    try:
+        run(main)
+    finally:
+        blocker.close()
+        store.close()
+
+
+def test_a_claim_cancelled_half_way_is_undone(run: Run, db: Path, clock: FakeClock) -> None:
+    store = opened(db, clock, busy_timeout_ms=30_000)
+    blocker = hold_the_write_lock(db)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(store.claim("k", "fp", 30.0))
+        await asyncio.sleep(0)  # queued to the writer, which waits for the lock
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        blocker.execute("COMMIT")
+        assert await store.get("k") is None
+
+    try:
+        run(main)
+    finally:
+        blocker.close()
+        store.close()
+
+
+def test_a_closed_store_is_a_store_error(run: Run, db: Path, clock: FakeClock) -> None:
+    store = opened(db, clock)
+    store.close()
+
+    async def main() -> None:
+        with pytest.raises(StoreError):
+            await store.claim("k", "fp", 30.0)
+
+    run(main)
+
+
+def test_expired_keys_are_pruned_in_bounded_batches(run: Run, db: Path, clock: FakeClock) -> None:
+    store = opened(db, clock, abandoned_keep=100.0)
+    calls: list[int] = []
+    real_prune = store.prune
+
+    async def counted(limit: int) -> int:
+        n = await real_prune(limit)
+        calls.append(n)
+        return n
+
+    store.prune = counted  # type: ignore[method-assign]
+
+    async def main() -> None:
+        for i in range(7):
+            claim = await store.claim(f"done{i}", "fp", 5.0)
+            assert isinstance(claim, Claimed)
+            assert await store.complete(f"done{i}", claim.token, ANSWER, 10.0)
+        for i in range(2):
+            await store.claim(f"held{i}", "fp", 5.0)
+        await store.claim("live", "fp", 1000.0)
+        assert await prune_pass(store, batch=3) == 0
+        clock.advance(11.0)  # the answers' ttl passed; the abandoned claims are kept longer
+        assert await prune_pass(store, batch=3) == 7
+        assert calls[-3:] == [3, 3, 1]
+        assert await store.get("held0") is not None
+        clock.advance(100.0)
+        assert await prune_pass(store, batch=3) == 2
+        assert await store.get("held1") is None and await store.get("live") is not None
+
+    try:
+        run(main)
+    finally:
+        store.close()
+
+
+KILLED = """
+import sqlite3, sys
+from sidecar.idempotency import schema
+from sidecar.idempotency.keep import KeptAnswer
+from sidecar.idempotency.sqlite import claim_tx, complete_tx, connect
+
+conn = connect(sys.argv[1], 5000)
+schema.migrate(conn)
+conn.execute("BEGIN IMMEDIATE")
+claimed = claim_tx(conn, "k", "fp", 30.0, "token", 1000.0)
+complete_tx(conn, "k", "token", KeptAnswer(201, (), b"x" * 100_000), 60.0, 1000.0)
+if sys.argv[2] == "commit":
+    conn.execute("COMMIT")
+print("written", flush=True)
+sys.stdin.readline()  # killed here
+"""
+
+
+@pytest.mark.parametrize("commit", [False, True])
+def test_a_writer_killed_mid_transaction_leaves_no_key_or_a_whole_one(
+    run: Run, db: Path, clock: FakeClock, commit: bool
+) -> None:
+    db.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED, str(db), "commit" if commit else "hold"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"written\n"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    store = opened(db, clock)
+
+    async def main() -> None:
+        record = await store.get("k")
+        if commit:
+            assert record is not None and record.finished
+            assert record.answer == KeptAnswer(201, (), b"x" * 100_000)
+        else:
+            assert record is None
+            assert isinstance(await store.claim("k", "fp", 30.0), Claimed)
+
+    try:
+        run(main)
+    finally:
+        store.close()

