@@ -32,6 +32,7 @@ from sidecar.engine.resolve import Resolver
 from sidecar.engine.routestate import RouteStates
 from sidecar.heaptrim import HeapTrimmer
 from sidecar.idempotency import service as keys
+from sidecar.idempotency.admin import idempotency_routes
 from sidecar.idempotency.outcome import IdempotencyOutcome
 from sidecar.idempotency.prune import prune_forever
 from sidecar.jsonapi import ExtraRoute
@@ -341,6 +342,7 @@ class Sidecar:
             self._open_keys()
         # The DLQ endpoints exist even when no DLQ is open (they answer 503 then).
         self.admin_extra.extend(dlq_routes(self._dlq_open, lambda: self._dlq_path))
+        self.admin_extra.extend(idempotency_routes(lambda: self.keys.store))
 
         server = SidecarServer(
             ProxyHandler(self.deps),
