@@ -31,6 +31,10 @@ from sidecar.engine.figures import RouteFigureSource
 from sidecar.engine.resolve import Resolver
 from sidecar.engine.routestate import RouteStates
 from sidecar.heaptrim import HeapTrimmer
+from sidecar.idempotency import service as keys
+from sidecar.idempotency.admin import idempotency_routes
+from sidecar.idempotency.outcome import IdempotencyOutcome
+from sidecar.idempotency.prune import prune_forever
 from sidecar.jsonapi import ExtraRoute
 from sidecar.lifecycle import Lifecycle
 from sidecar.proxy.deps import ProxyDeps
@@ -52,6 +56,7 @@ if TYPE_CHECKING:
     from sidecar.dlq.redrive import Redrive
     from sidecar.dlq.replay import Replayer
     from sidecar.dlq.store import DlqStore
+    from sidecar.idempotency.sqlite import SqliteIdempotencyStore
 
 log = logging.getLogger("sidecar")
 
@@ -76,7 +81,7 @@ class Sidecar:
         self.events.sinks.append(RequestLog())
         self.states = RouteStates(self._on_breaker_transition)
         self.states.sync(config)
-        self.metrics.declare_routes((r.name, r.dlq.enabled) for r in config.routes)
+        self._declare_routes(config)
         self.resolver = Resolver(self.states)
         self.figures = RouteFigureSource(self.states, lambda: self.store.current)
         self.kill = KillSwitch(self.clock.wall)
@@ -104,7 +109,12 @@ class Sidecar:
                     (("route", route), ("result", result))
                 )
             ),
+            idempotency_result=lambda route, result: self.metrics.idempotency.inc(
+                (("route", route), ("result", result))
+            ),
         )
+        # The idempotency file: opened once a route enables idempotency (path restart-only).
+        self.keys = keys.KeyStoreService(config.idempotency.path, self.clock, self._keys_opened)
         self.reloader = (
             Reloader(config_path, self.store, self.apply, self._on_reload) if config_path else None
         )
@@ -162,6 +172,24 @@ class Sidecar:
         if result.ok:
             self.metrics.reload_ts.set((), self.clock.wall())
 
+    def _declare_routes(self, config: Config) -> None:
+        self.metrics.declare_routes((r.name, r.dlq.enabled) for r in config.routes)
+        self.metrics.declare_idempotency(
+            (r.name for r in config.routes if r.idempotency.enabled),
+            (o.value for o in IdempotencyOutcome),
+        )
+
+    def _keys_opened(self, store: SqliteIdempotencyStore) -> None:
+        self.deps.idempotency = store
+        self.spawn("idempotency-prune", prune_forever(store))
+
+    def _open_keys(self) -> None:
+        if "idempotency-open" not in self._tasks:
+            self.spawn("idempotency-open", self.keys.keep_opening(self._draining))
+
+    def _draining(self) -> bool:
+        return self.life.draining
+
     def add_sink(self, sink: EventSink) -> None:
         self.events.sinks.append(sink)
 
@@ -187,7 +215,7 @@ class Sidecar:
         drain_timeout to the next drain. A reload that is the first to enable a DLQ route
         opens the DLQ file (the one the process started with)."""
         self.states.sync(config)
-        self.metrics.declare_routes((r.name, r.dlq.enabled) for r in config.routes)
+        self._declare_routes(config)
         self.store.swap(config)
         apply_file(self.kill, config, self.clock.monotonic(), self.clock.wall())
         if self.dlq is not None:
@@ -198,6 +226,8 @@ class Sidecar:
             and "dlq-open" not in self._tasks
         ):
             self.spawn("dlq-open", self._keep_opening())
+        if keys.wanted(config) and self.keys.store is None and self._dlq_opening is not None:
+            self._open_keys()  # started (not a reload before start)
 
     def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Start a named background task that is kept and cancelled on shutdown."""
@@ -308,8 +338,11 @@ class Sidecar:
         self._dlq_opening = asyncio.Lock()
         if self._dlq_wanted(config) and not await self._open_dlq_now():
             self.spawn("dlq-open", self._keep_opening())
+        if keys.wanted(config) and not await self.keys.open(self._draining):
+            self._open_keys()
         # The DLQ endpoints exist even when no DLQ is open (they answer 503 then).
         self.admin_extra.extend(dlq_routes(self._dlq_open, lambda: self._dlq_path))
+        self.admin_extra.extend(idempotency_routes(lambda: self.keys.store))
 
         server = SidecarServer(
             ProxyHandler(self.deps),
@@ -426,6 +459,7 @@ class Sidecar:
         self.client.close()
         if self.dlq is not None:
             await asyncio.to_thread(self.dlq.close)
+        await self.keys.close()
         self.tracing.shutdown()
         log.info("stopped")
 

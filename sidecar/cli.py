@@ -1,5 +1,5 @@
 """The ``retry-sidecar`` command line: run, validate, explain, demo, and the verbs that talk to a
-running sidecar's admin API (healthcheck, status, killswitch, dlq)."""
+running sidecar's admin API (healthcheck, status, killswitch, dlq, idempotency)."""
 
 from __future__ import annotations
 
@@ -161,6 +161,13 @@ def cmd_dlq(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_idempotency(args: argparse.Namespace) -> int:
+    """idempotency show|forget KEY against a running sidecar's admin API."""
+    from sidecar.admin.verbs import cmd_idempotency as idempotency
+
+    return idempotency(_admin_target(args), args.idem_verb, args.key, args.scope)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from sidecar.admin.verbs import cmd_status as status
 
@@ -302,6 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
     dp = dsub.add_parser("purge", parents=[common, admin_common], help="delete one record")
     dp.add_argument("id")
     dlq.set_defaults(func=cmd_dlq)
+
+    idem = sub.add_parser("idempotency", help="show or forget a kept Idempotency-Key")
+    isub = idem.add_subparsers(dest="idem_verb", required=True)
+    for verb, what in (("show", "what is kept under a key"), ("forget", "forget a key")):
+        iv = isub.add_parser(verb, parents=[common, admin_common], help=what)
+        iv.add_argument("key")
+        iv.add_argument("--scope", help="the key's scope digest (routes with scope_header)")
+    idem.set_defaults(func=cmd_idempotency)
 
     st = sub.add_parser(
         "status",

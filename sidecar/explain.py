@@ -85,7 +85,27 @@ def _storm_lines(route: Route) -> list[str]:
         f"prefer another endpoint)"
     )
     lines.append("  kill switch: one attempt through the same path, none of the above")
+    lines.append(_idempotency_line(route))
     return lines
+
+
+def _idempotency_line(route: Route) -> str:
+    """What the route does with an Idempotency-Key (issue 23)."""
+    idem = route.idempotency
+    if not idem.enabled:
+        return "  idempotency: off (the key is forwarded; idempotency: {enabled: true} enforces it)"
+    lease = idem.lease_for(route.timeout)
+    scope = f", scoped by {idem.scope_header}" if idem.scope_header else ""
+    return (
+        f"  idempotency: {'/'.join(sorted(idem.methods))} with an Idempotency-Key reach the app "
+        f"once{scope}; the answer kept {format_duration(idem.ttl)} (up to "
+        f"{idem.max_response_bytes} bytes) and replayed; a duplicate in progress gets 409, "
+        f"another request under the key 422, "
+        + ("no key 400" if idem.required else "no key passes unguarded")
+        + f"; a dead sidecar's key is taken over after {format_duration(lease)} (the write "
+        f"may then run twice); store unreachable: {idem.on_store_error}; bodies buffered up to "
+        f"{route.retry.max_body_bytes} bytes (larger: 413)"
+    )
 
 
 def explain_route(route: Route) -> list[str]:

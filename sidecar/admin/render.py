@@ -234,6 +234,14 @@ def _dlq_cell(r: RouteStatus) -> str:
     return out
 
 
+def _idempotency(r: RouteStatus) -> str:
+    """Guarded writes since start, under the route's name (idempotency enabled only)."""
+    if r.idempotency is None:
+        return ""
+    counts = ", ".join(f"{escape(k)} {n}" for k, n in r.idempotency.items()) or "none yet"
+    return f'<br><small class="idem">keys: {counts}</small>'
+
+
 def _actions(r: RouteStatus) -> str:
     links = []
     scope = f"route:{r.name}"
@@ -256,7 +264,8 @@ def _routes_table(st: Status, view: View) -> str:
         rpr = "—" if r.retries_per_request is None else f"{r.retries_per_request:.2f}"
         rows.append(
             f'<tr id="route-{escape(r.name)}">'
-            f'<th scope="row">{escape(r.name)}<br><small>{escape(r.upstream)}</small></th>'
+            f'<th scope="row">{escape(r.name)}<br><small>{escape(r.upstream)}</small>'
+            f"{_idempotency(r)}</th>"
             f'<td class="num">{rate(r.rps)}<br><small>{r.requests} req</small></td>'
             f'<td class="num {sc}">{pct(r.success_ratio)}</td>'
             f'<td class="num">{rpr}<br><small>max {r.attempts_limit - 1}</small></td>'

@@ -83,6 +83,9 @@ class RouteStatus:
     dlq_parked: int | None
     dlq_oldest_pending_age: float | None
     dlq_oldest_parked_age: float | None
+    # Guarded writes since start by result (retry_sidecar_idempotency_total, non-zero ones);
+    # None when the route does not enable idempotency.
+    idempotency: dict[str, int] | None = None
 
     def as_json(self) -> dict[str, Any]:
         """Flat: the route's figures among its other fields, each by its own name."""
@@ -143,6 +146,16 @@ def _ratio(num: int, den: int) -> float | None:
     return num / den if den else None
 
 
+def _idempotency(metrics: Metrics, route: str) -> dict[str, int]:
+    """A route's ``idempotency_total`` by result, the results that happened."""
+    out: dict[str, int] = {}
+    for labels, value in metrics.idempotency.values.items():
+        by = dict(labels)
+        if by.get("route") == route and value:
+            out[by["result"]] = int(value)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 async def take(src: StatusSources, window: str = DEFAULT_WINDOW) -> Status:
     now, wall = src.clock.monotonic(), src.clock.wall()
     config = src.store.current
@@ -174,6 +187,7 @@ async def take(src: StatusSources, window: str = DEFAULT_WINDOW) -> Status:
                 dlq_parked=d.get("parked", 0) if dlq_open else None,
                 dlq_oldest_pending_age=d.get("pending_age"),
                 dlq_oldest_parked_age=d.get("parked_age"),
+                idempotency=_idempotency(src.metrics, r.name) if r.idempotency.enabled else None,
             )
         )
     stats = src.stats()

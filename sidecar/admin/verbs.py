@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from typing import Any, TextIO
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 from sidecar.admin.client import AdminTarget, call
 from sidecar.admin.fmt import age, figure_text, pct, printable, printable_json, rate, size
@@ -65,6 +65,7 @@ def status_rows(st: dict[str, Any]) -> list[list[str]]:
             "DLQ PEND/PARK",
             "OLDEST",
             *(title.upper() for _, title in COLUMNS),
+            "KEYS",
             "FATES",
         ]
     ]
@@ -93,10 +94,18 @@ def status_rows(st: dict[str, Any]) -> list[list[str]]:
                 dlq,
                 oldest,
                 *(figure_text(r.get(name)) or "-" for name, _ in COLUMNS),
+                _keys(r.get("idempotency")),
                 ", ".join(f"{f} {n}" for f, n in r["fates"].items()) or "-",
             ]
         )
     return rows
+
+
+def _keys(counts: dict[str, int] | None) -> str:
+    """Guarded writes by result since start; "off" when the route does not enable them."""
+    if counts is None:
+        return "off"
+    return ", ".join(f"{k} {n}" for k, n in counts.items()) or "-"
 
 
 def print_status(st: dict[str, Any], out: TextIO) -> None:
@@ -184,4 +193,17 @@ def cmd_killswitch(
         print(
             printable(f"still active from the {s['source']}: {s['scope']} until {s['expires_at']}")
         )
+    return 0
+
+
+def cmd_idempotency(target: AdminTarget, verb: str, key: str, scope: str | None) -> int:
+    """``idempotency show KEY`` prints what is kept under it; ``forget KEY`` deletes it (the
+    next request with it runs as a first one)."""
+    path = "/idempotency/" + quote(key, safe="")
+    if scope:
+        path += "?" + urlencode({"scope": scope})
+    status, body = call_admin(target, "GET" if verb == "show" else "DELETE", path)
+    if status != 200:
+        return fail(status, body)
+    print(printable_json(body))
     return 0

@@ -42,6 +42,9 @@ from sidecar.idempotency.store import (
 
 log = logging.getLogger("sidecar.idempotency")
 
+# The handler's face to the answers made before a key is read (a body too large to guard).
+body_too_large = problem.body_too_large
+
 Forward = Callable[[], Awaitable[Forwarded]]
 
 

@@ -88,3 +88,17 @@ def answer_not_kept(key: str, status: int) -> Answer:
         "so only its status is replayed.",
         key,
     )
+
+
+def body_too_large(key: str | None, limit: int) -> Answer:
+    """413: a guarded write whose body is larger than the route buffers (``retry.max_body_bytes``)
+    cannot be fingerprinted, so it is not sent."""
+    return problem(
+        413,
+        "body-too-large",
+        "Request body too large to guard",
+        f"A write on this route is checked against its Idempotency-Key by a digest of its whole "
+        f"body, which the sidecar buffers up to {limit} bytes (the route's "
+        "retry.max_body_bytes); this body is larger, so it was not sent.",
+        key,
+    )

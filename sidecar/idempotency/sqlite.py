@@ -21,6 +21,7 @@ import json
 import os
 import secrets
 import sqlite3
+import threading
 from typing import Any
 
 from sidecar.core import Clock
@@ -157,8 +158,19 @@ class SqliteIdempotencyStore:
         self._abandoned_keep = abandoned_keep
         self._busy_timeout_ms = busy_timeout_ms
         self._writer: KeyWriter | None = None
+        # ``close`` may come from the event loop while ``open`` runs in a worker thread (a
+        # shutdown during the opening): whichever comes second stops the writer.
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def is_open(self) -> bool:
+        return self._writer is not None
 
     def open(self) -> None:
+        """Open (create, migrate) the file and start its writer thread. After ``close`` (a
+        shutdown that came while this ran in a thread) the writer it started is stopped here
+        again and the store stays closed."""
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, mode=0o700, exist_ok=True)
         # Created owner-only (answers hold response bodies); -wal and -shm get the same mode.
@@ -170,13 +182,21 @@ class SqliteIdempotencyStore:
         except BaseException:
             conn.close()
             raise
-        self._writer = KeyWriter(conn)
-        self._writer.start()
+        writer = KeyWriter(conn)
+        writer.start()
+        with self._lock:
+            if not self._closed:
+                self._writer = writer
+                return
+        writer.stop()
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.stop()
-            self._writer = None
+        """Run what was queued, stop the writer; the store stays closed."""
+        with self._lock:
+            self._closed = True
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.stop()
 
     async def _call(self, fn: Operation, undo: Operation | None = None) -> Any:
         if self._writer is None:

@@ -90,3 +90,29 @@ class IdempotencyStore(Protocol):
     async def prune(self, limit: int) -> int:
         """Delete at most ``limit`` expired keys; the number deleted."""
         ...
+
+
+class StoreNotOpen:
+    """The store of a process whose idempotency file is not open (yet, or any more): every
+    call is a ``StoreError``, so the route's ``on_store_error`` applies."""
+
+    async def claim(self, key: str, fingerprint: str, lease: float) -> ClaimResult:
+        raise StoreError("the idempotency store is not open")
+
+    async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> bool:
+        raise StoreError("the idempotency store is not open")
+
+    async def release(self, key: str, token: str) -> bool:
+        raise StoreError("the idempotency store is not open")
+
+    async def get(self, key: str) -> KeyRecord | None:
+        raise StoreError("the idempotency store is not open")
+
+    async def forget(self, key: str) -> bool:
+        raise StoreError("the idempotency store is not open")
+
+    async def prune(self, limit: int) -> int:
+        raise StoreError("the idempotency store is not open")
+
+
+NOT_OPEN: IdempotencyStore = StoreNotOpen()

@@ -18,6 +18,7 @@ from aiohttp import web
 from sidecar.config.model import Config, Route
 from sidecar.core import Fate
 from sidecar.proxy.deps import ProxyDeps
+from sidecar.proxy.held import HeldAnswer
 from sidecar.telemetry.events import SequenceEnded
 from sidecar.telemetry.logs import RateLimit
 
@@ -40,6 +41,7 @@ class RequestContext:
         "edge",
         "expects_continue",
         "headers",
+        "held",
         "request",
         "route",
         "span",
@@ -83,6 +85,9 @@ class RequestContext:
         self.span = span
         self.start = start  # monotonic, when the request was admitted
         self.warnings = warnings  # the handler's rate limit for upstream warnings
+        # A guarded write's answer, held until its key is settled (proxy/guarded.py); None:
+        # relayed at once, as every other answer.
+        self.held: HeldAnswer | None = None
 
     @property
     def method(self) -> str:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from sidecar.config.store import ConfigStore
 from sidecar.engine.deps import EngineDeps
+from sidecar.idempotency.store import IdempotencyStore
 from sidecar.proxy.tunnel import Tunnels
 
 if TYPE_CHECKING:
@@ -22,3 +23,7 @@ class ProxyDeps(EngineDeps):
     dlq: DlqStore | None = None
     dlq_write: Callable[[str, str], None] = lambda route, result: None  # (route, result)
     tunnels: Tunnels = field(default_factory=Tunnels)  # upgraded connections being relayed
+    # The idempotency store, once opened (app.py); None: not open, guarded writes get
+    # their route's on_store_error.
+    idempotency: IdempotencyStore | None = None
+    idempotency_result: Callable[[str, str], None] = lambda route, result: None

@@ -4,7 +4,8 @@
    request context every later step reads (``context``);
 2. ``intake``: the body, buffered to be resent or streamed once;
 3. ``run``: the ``Sequence`` scope, inside which ``relay`` relays the answer, ``handoff``
-   stores a failed write in the DLQ first, and ``tunnel`` joins an upgraded connection.
+   stores a failed write in the DLQ first, and ``tunnel`` joins an upgraded connection; a write
+   its route guards with an ``Idempotency-Key`` runs it through the guard (``guarded``).
 
 This module maps what a step raises to the client's answer and counts how the request ended.
 Routing and header rules are pure functions in ``routing`` and ``forward``; retry judgement is
@@ -24,6 +25,7 @@ from sidecar.proxy.admission import admit
 from sidecar.proxy.body import BodyMalformed, BodyStalled, BodyTooLarge, ClientGone
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.deps import ProxyDeps
+from sidecar.proxy.guarded import guards, run_guarded, too_large
 from sidecar.proxy.intake import no_body, read_body
 from sidecar.proxy.relay import cut_transport
 from sidecar.proxy.respond import client_error, own_answer
@@ -61,6 +63,14 @@ class ProxyHandler:
         if not isinstance(ctx, RequestContext):
             return ctx  # refused before any sequence
         try:
+            if guards(ctx):  # a write its route guards with an Idempotency-Key
+                length = request.content_length
+                if length is not None and length > ctx.route.retry.max_body_bytes:
+                    return too_large(ctx)
+                intake = await read_body(ctx) if request.body_exists else no_body(ctx)
+                if not intake.replayable:  # not buffered whole: no fingerprint
+                    return too_large(ctx)
+                return await run_guarded(ctx, intake)
             intake = await read_body(ctx) if request.body_exists else no_body(ctx)
             return await run_sequence(ctx, intake)
         except BodyTooLarge as exc:

@@ -93,27 +93,49 @@ async def stream(
         # They go out in their order, just before the final response.
         for status, headers in up.interim:
             await request.writer.write(interim_head(status, forward.response_headers(headers)))
-    whole = up.complete and up.buffered_bytes <= FULL_RESPONSE_MAX
+    held = ctx.held
+    idle = ctx.route.stream_idle_timeout
+    whole = up.complete and (held is not None or up.buffered_bytes <= FULL_RESPONSE_MAX)
+    raw = forward.response_headers(up.headers)
     resp = ProxyResponse(
-        up.status,
-        forward.response_headers(up.headers),
-        own_headers(result, captured),
-        up.content_length,
-        flush_head=not whole,
+        up.status, raw, own_headers(result, captured), up.content_length, flush_head=not whole
     )
+    ahead: bytes | None = None  # a guarded write's body read ahead (proxy/held.py)
+    if held is not None:
+        held.captured = captured
+        held.headers = raw
+        held.made_by_sidecar = up.proxy_error is not None
+        if not whole and up.has_body:
+            try:
+                ahead, whole = await held.read(up, idle)
+            except UpstreamError as exc:
+                return _broken_ahead(ctx, result, up, resp, seq, exc)
+            except BaseException:
+                up.discard()
+                raise
+        whole = whole or not up.has_body
     if whole:
         # The whole body is already here (the common small response): one write.
-        body = up.take_body() if up.has_body else b""
+        if ahead is None:
+            ahead = up.take_body() if up.has_body else b""
+        body = ahead
         up.release()
+        if held is not None:  # sent once its key is settled (proxy/guarded.py)
+            held.hold(resp, raw, body, fate=result.fate, attempts=result.attempts)
+            return resp
         # A client whose close came before this write (ConnectionError) is counted
         # client-gone by the handler, as every write to a client that left.
         resp.send_whole(request, body)
         return ctx.finish(resp, result.fate, result.attempts)
-    idle = ctx.route.stream_idle_timeout
     broken: UpstreamError | None = None
     gone = False
+    if held is not None:
+        held.streamed = True
+        resp._send_headers_immediately = True
     try:
         await resp.prepare(request)
+        if ahead:
+            await resp.write(ahead)
         if up.has_body:
             while True:
                 chunk = await up.read_chunk(idle)
@@ -144,6 +166,26 @@ async def stream(
         ctx.gone()
         return resp
     return ctx.finish(resp, result.fate, result.attempts)
+
+
+def _broken_ahead(
+    ctx: RequestContext,
+    result: SequenceResult,
+    up: UpstreamResponse,
+    resp: ProxyResponse,
+    seq: Sequence,
+    exc: UpstreamError,
+) -> web.StreamResponse:
+    """A guarded write's upstream broke while its body was read ahead, before anything went
+    to the client: as for any response broken mid-body, the client's connection is cut."""
+    assert ctx.held is not None
+    up.discard()
+    seq.body_failed()
+    ctx.held.broken = True
+    resp.force_close()
+    cut_transport(ctx.request)
+    ctx.upstream_warning(f"upstream response broke mid-body ({exc.code}): {exc}")
+    return ctx.finish(resp, BODY_BROKEN, result.attempts, proxy_error_code=exc.code)
 
 
 def cut_transport(request: web.BaseRequest) -> None:

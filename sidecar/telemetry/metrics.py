@@ -206,6 +206,12 @@ class Metrics:
             "idle-timeout, reset, cut) or why none opened (refused, failed).",
         )
         self.upgrades_in_flight = Gauge("upgrades_in_flight", "Open upgrade tunnels by route.")
+        self.idempotency = Counter(
+            "idempotency_total",
+            "Guarded writes (routes with idempotency enabled) by route and result: first, "
+            "replayed, in-progress, mismatch, invalid, missing, released, lease-expired, "
+            "store-error.",
+        )
         # Label tuples of the per-request series, made once per route and value: the event
         # handlers below then do plain dict increments.
         self._route: dict[str, Labels] = {}
@@ -241,6 +247,7 @@ class Metrics:
             self.admin_auth_failures,
             self.upgrades,
             self.upgrades_in_flight,
+            self.idempotency,
         ]
 
     def render(self) -> str:
@@ -264,6 +271,14 @@ class Metrics:
             if dlq:
                 for result in DLQ_RESULTS:
                     self.dlq_writes.values.setdefault((("route", route), ("result", result)), 0.0)
+
+    def declare_idempotency(self, routes: Iterable[str], results: Iterable[str]) -> None:
+        """Start ``idempotency_total`` of each route that enables it at 0 for every result
+        (the labels are the idempotency package's, passed in); called with declare_routes."""
+        labels = list(results)
+        for route in routes:
+            for result in labels:
+                self.idempotency.values.setdefault((("route", route), ("result", result)), 0.0)
 
     # -- EventSink ---------------------------------------------------------------------------
 

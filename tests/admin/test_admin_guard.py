@@ -81,7 +81,7 @@ def expected(
     reads = method in ("GET", "HEAD")
     if token_set and not form_route(canonical, method) and not reads:
         return "token"  # the matrix sends no credentials: the token's own tests send them
-    if token_set and canonical.startswith("/dlq") and reads:
+    if token_set and canonical.startswith(("/dlq", "/idempotency")) and reads:
         return "token"
     if (
         body_type is not None

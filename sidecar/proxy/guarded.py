@@ -1,0 +1,124 @@
+"""A write on a route that guards it (``idempotency``): the sequence run through the
+idempotency guard (``sidecar/idempotency/guard.py``).
+
+The guard reads the key, claims it and calls ``forward`` at most once; ``forward`` runs the
+route's sequence (``run.run_sequence``, retries and DLQ hand-off included) with the answer held
+(``held.HeldAnswer``) rather than sent, and says whether the route would retry it. Once the key is
+settled (kept or released) the held answer goes to the client; the sidecar's own answers
+(problems, replays) are sent instead and never reach the app.
+
+The body of a guarded write must be whole to be fingerprinted: it is buffered up to the route's
+``retry.max_body_bytes`` (the bound the route already buffers to resend); a larger one gets a 413
+problem and is not sent.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from sidecar.core import Fate
+from sidecar.idempotency.answer import Answer, Forwarded
+from sidecar.idempotency.guard import RequestView, body_too_large, guarded
+from sidecar.idempotency.store import NOT_OPEN
+from sidecar.proxy.context import RequestContext
+from sidecar.proxy.held import HeldAnswer
+from sidecar.proxy.intake import Intake
+from sidecar.proxy.respond import ProxyResponse
+from sidecar.proxy.run import run_sequence
+
+# The fate label (metrics, logs) of a request the guard answered itself: a replay is the
+# write's earlier success, a problem (400, 409, 413, 422, 503) refuses it before the app.
+REPLAYED_FATE = Fate.SUCCESS
+REFUSED_FATE = Fate.NOT_RETRYABLE
+
+
+def guards(ctx: RequestContext) -> bool:
+    return ctx.route.idempotency.guards(ctx.request.method)
+
+
+def too_large(ctx: RequestContext) -> web.StreamResponse:
+    """The 413 for a guarded write whose body is over the bound (the rest is not read)."""
+    key = next((v for k, v in ctx.headers if k.lower() == b"idempotency-key"), None)
+    made = body_too_large(
+        key.decode("latin-1") if key is not None else None, ctx.route.retry.max_body_bytes
+    )
+    resp = _made(made)
+    resp.force_close()
+    ctx.deps.malformed("body-too-large")
+    return _send(ctx, resp, made.body, REFUSED_FATE)
+
+
+def _made(answer: Answer) -> ProxyResponse:
+    """The sidecar's own answer (a kept one's headers are end-to-end only: framed anew)."""
+    length = len(answer.body)
+    framing = [(b"Content-Length", b"%d" % length)]
+    return ProxyResponse(answer.status, [*answer.headers, *framing], [], length)
+
+
+def _send(
+    ctx: RequestContext, resp: ProxyResponse, body: bytes, fate: Fate | str, attempts: int = 0
+) -> web.StreamResponse:
+    resp.send_whole(ctx.request, body)
+    return ctx.finish(resp, fate, attempts)
+
+
+def _headers(resp: web.StreamResponse) -> tuple[tuple[bytes, bytes], ...]:
+    return tuple((k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.items())
+
+
+def forwarded(ctx: RequestContext, held: HeldAnswer, resp: web.StreamResponse) -> Forwarded:
+    """What the guard judges of the sequence's answer. The route would retry it (so the key is
+    released): a status in ``retry_on``, an answer a sidecar made itself (a connect failure, a
+    reset, a timeout, an open breaker; an inner sidecar's too). An answer whose body broke after
+    its head came is the app's answer all the same: only its status is kept. A write
+    the DLQ stored is not released: its key is finished with the answer the client got (202 or
+    the failure with ``x-retry-dlq: stored``), so no duplicate runs it beside the DLQ's replay."""
+    if held.resp is None and not held.streamed and not held.broken:
+        # The sidecar's own answer (no upstream response, the DLQ's 202).
+        own = resp.body if isinstance(resp, web.Response) else None
+        body = own if isinstance(own, bytes) else None
+        stored = resp.headers.get("x-retry-dlq") == "stored"
+        return Forwarded(resp.status, _headers(resp), body, not stored)
+    captured = held.captured
+    stored = captured is not None and captured.record_id is not None
+    status = resp.status
+    retryable = held.made_by_sidecar or status in ctx.route.retry.retry_on.statuses
+    # None: relayed as it came, or broken mid-body -- the app answered (the write took
+    # effect), so its status is kept; a duplicate is told its answer was not kept.
+    kept = held.body if held.resp is not None else None
+    return Forwarded(status, tuple(held.headers), kept, retryable and not stored)
+
+
+async def run_guarded(ctx: RequestContext, intake: Intake) -> web.StreamResponse:
+    route = ctx.route
+    body = intake.body
+    assert body is None or isinstance(body, bytes), "a guarded write's body is buffered"
+    deps = ctx.deps
+    view = RequestView(
+        ctx.request.method,
+        ctx.target.encode("latin-1"),
+        tuple(ctx.headers),
+        body or b"",
+        route.timeout,
+    )
+    held = HeldAnswer(route.idempotency.max_response_bytes)
+    sent: list[web.StreamResponse] = []
+
+    async def forward() -> Forwarded:
+        ctx.held = held
+        resp = await run_sequence(ctx, intake)
+        sent.append(resp)
+        return forwarded(ctx, held, resp)
+
+    result = await guarded(
+        route.idempotency, deps.idempotency or NOT_OPEN, view, forward, deps.clock
+    )
+    if result.outcome is not None:
+        deps.idempotency_result(route.name, result.outcome.value)
+    answer = result.answer
+    if isinstance(answer, Answer):  # a problem or a replay: the app was not called
+        replayed = any(k == b"Idempotent-Replayed" for k, _ in answer.headers)
+        return _send(ctx, _made(answer), answer.body, REPLAYED_FATE if replayed else REFUSED_FATE)
+    if held.resp is not None:  # the app's answer, held until its key was settled
+        return _send(ctx, held.resp, held.body, held.fate, held.attempts)
+    return sent[0]  # relayed already, or the sidecar's own answer (sent by aiohttp)
