@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from sidecar.config.model import Config, Route
 from sidecar.config.render import setting
 from sidecar.retry.worstcase import budget_multiplier, stacked, worst_case
@@ -94,15 +96,16 @@ def _idempotency_line(route: Route) -> str:
     idem = route.idempotency
     if not idem.enabled:
         return "  idempotency: off (the key is forwarded; idempotency: {enabled: true} enforces it)"
-    lease = idem.lease_for(route.timeout)
+    # The lease in force (null: the route's timeout + 5 s), written as the file writes it.
+    lease = setting(replace(idem, lease=idem.lease_for(route.timeout)), "lease")
     scope = f", scoped by {idem.scope_header}" if idem.scope_header else ""
     return (
         f"  idempotency: {'/'.join(sorted(idem.methods))} with an Idempotency-Key reach the app "
-        f"once{scope}; the answer kept {format_duration(idem.ttl)} (up to "
+        f"once{scope}; the answer kept {setting(idem, 'ttl')} (up to "
         f"{idem.max_response_bytes} bytes) and replayed; a duplicate in progress gets 409, "
         f"another request under the key 422, "
         + ("no key 400" if idem.required else "no key passes unguarded")
-        + f"; a dead sidecar's key is taken over after {format_duration(lease)} (the write "
+        + f"; a dead sidecar's key is taken over after {lease} (the write "
         f"may then run twice); store unreachable: {idem.on_store_error}; bodies buffered up to "
         f"{route.retry.max_body_bytes} bytes (larger: 413)"
     )

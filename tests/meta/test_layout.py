@@ -35,7 +35,10 @@ def test_every_test_folder_is_a_package_of_the_tests():
     """``from tests.<folder>.test_x import ...`` works, and two folders may hold modules of the
     same name."""
     folders = {p.parent for p in TESTS.rglob("test_*.py")}
-    assert sorted(str(f.relative_to(TESTS)) for f in folders if not (f / "__init__.py").is_file()) == []
+    assert (
+        sorted(str(f.relative_to(TESTS)) for f in folders if not (f / "__init__.py").is_file())
+        == []
+    )
 
 
 def test_every_package_of_sidecar_has_a_folder_with_a_quick_test():

@@ -11,10 +11,10 @@ import pytest
 
 from sidecar.config.parse import parse_text
 from sidecar.explain import explain
+from tests.dlq.test_dlq_cli import cli
+from tests.idempotency.test_idempotency_process import WriteApp, call, post
+from tests.idempotency.test_idempotency_process import app as app
 from tests.proc import SidecarProcess, free_port
-from tests.test_dlq_cli import cli
-from tests.test_idempotency_process import WriteApp, call, post
-from tests.test_idempotency_process import app as app
 
 pytestmark = pytest.mark.slow
 TOKEN = "idem-admin-token-1"
@@ -34,9 +34,7 @@ def write_config(tmp_path: Path, app_port: int, port: int, admin: int) -> Path:
     return cfg
 
 
-async def test_show_and_forget_a_key_over_the_api_and_the_cli(
-    app: WriteApp, tmp_path, monkeypatch
-):
+async def test_show_and_forget_a_key_over_the_api_and_the_cli(app: WriteApp, tmp_path, monkeypatch):
     port, admin = free_port(), free_port()
     cfg = write_config(tmp_path, app.port, port, admin)
     proc = SidecarProcess(cfg, env={"IDEM_TOKEN": TOKEN})
