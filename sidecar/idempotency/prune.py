@@ -12,7 +12,7 @@ from sidecar.idempotency.store import IdempotencyStore, StoreError
 log = logging.getLogger("sidecar.idempotency")
 
 EVERY = 60.0  # seconds between passes
-BATCH = 200  # keys deleted per transaction: small enough to stay under a millisecond
+BATCH = 100  # keys deleted per transaction: about half a millisecond with small answers
 
 
 async def prune_pass(store: IdempotencyStore, batch: int = BATCH) -> int:
