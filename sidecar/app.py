@@ -33,6 +33,7 @@ from sidecar.engine.routestate import RouteStates
 from sidecar.heaptrim import HeapTrimmer
 from sidecar.idempotency import service as keys
 from sidecar.idempotency.admin import idempotency_routes
+from sidecar.idempotency.durability import sync_forever
 from sidecar.idempotency.outcome import IdempotencyOutcome
 from sidecar.idempotency.prune import prune_forever
 from sidecar.jsonapi import ExtraRoute
@@ -182,6 +183,7 @@ class Sidecar:
     def _keys_opened(self, store: SqliteIdempotencyStore) -> None:
         self.deps.idempotency = store
         self.spawn("idempotency-prune", prune_forever(store))
+        self.spawn("idempotency-sync", sync_forever(store))
 
     def _open_keys(self) -> None:
         if "idempotency-open" not in self._tasks:

