@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from sidecar.dlq.redrive import Redrive
     from sidecar.dlq.replay import Replayer
     from sidecar.dlq.store import DlqStore
-    from sidecar.idempotency.sqlite import SqliteIdempotencyStore
+    from sidecar.idempotency.store import IdempotencyStore
 
 log = logging.getLogger("sidecar")
 
@@ -113,8 +113,8 @@ class Sidecar:
                 (("route", route), ("result", result))
             ),
         )
-        # The idempotency file: opened once a route enables idempotency (path restart-only).
-        self.keys = keys.KeyStoreService(config.idempotency.path, self.clock, self._keys_opened)
+        # The idempotency store: opened once a route enables idempotency (restart-only keys).
+        self.keys = keys.KeyStoreService(config, self.clock, self._keys_opened)
         self.reloader = (
             Reloader(config_path, self.store, self.apply, self._on_reload) if config_path else None
         )
@@ -179,7 +179,7 @@ class Sidecar:
             (o.value for o in IdempotencyOutcome),
         )
 
-    def _keys_opened(self, store: SqliteIdempotencyStore) -> None:
+    def _keys_opened(self, store: IdempotencyStore) -> None:
         self.deps.idempotency = store
         self.spawn("idempotency-prune", prune_forever(store))
 

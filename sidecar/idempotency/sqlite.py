@@ -29,6 +29,7 @@ from sidecar.idempotency import schema
 from sidecar.idempotency.decision import Decision, KeyState, decide
 from sidecar.idempotency.keep import KeptAnswer
 from sidecar.idempotency.store import (
+    ABANDONED_KEEP,
     Busy,
     Claimed,
     ClaimResult,
@@ -40,7 +41,6 @@ from sidecar.idempotency.store import (
 from sidecar.idempotency.writer import KeyWriter, Operation
 
 CALL_TIMEOUT = 2.0  # seconds a call may take before it is a store error
-ABANDONED_KEEP = 24 * 3600.0  # seconds an abandoned claim is kept past its lease (counted)
 FILE_MODE = 0o600
 COLUMNS = "key, finished, fingerprint, token, created_at, expires_at, status, headers, body, size"
 
