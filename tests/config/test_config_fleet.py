@@ -44,13 +44,12 @@ def test_fleet_mode_is_off_by_default() -> None:
 )
 def test_redis_and_rediss_urls_are_accepted(url: str) -> None:
     text = doc(
-        f'fleet:\n  redis: {{url: "{url}", timeout: 1s}}\n  killswitch: true\n'
+        f'fleet:\n  redis: {{url: "{url}", timeout: 1s}}\n  killswitch: false\n'
         "idempotency: {backend: redis}\n"
     )
     config = parse_text(text)
     assert config.fleet.redis.url == url
     assert config.fleet.redis.timeout == 1.0
-    assert config.fleet.killswitch is True
     assert config.idempotency.backend == "redis"
 
 
@@ -94,6 +93,12 @@ def test_fleet_kill_switches_without_a_redis_are_refused_where_written() -> None
     assert "fleet.redis.url" in message
 
 
+def test_fleet_kill_switches_are_refused_until_they_are_built() -> None:
+    text = doc('fleet:\n  redis: {url: "redis://h"}\n  killswitch: true\n')
+    [(line, path, message)] = issues(text)
+    assert (line, path) == (4, "fleet.killswitch") and "not available yet" in message
+
+
 def test_key_prefix_and_timeout_are_checked() -> None:
     text = doc('fleet:\n  redis: {url: "redis://h", key_prefix: "a b", timeout: 0ms}\n')
     assert [(p, line) for line, p, _ in issues(text)] == [
@@ -108,12 +113,10 @@ def test_every_fleet_key_needs_a_restart() -> None:
         doc(
             "fleet:\n"
             '  redis: {url: "redis://h/1", key_prefix: "b:", password_env: P, timeout: 1s}\n'
-            "  killswitch: true\n"
             "idempotency: {backend: redis}\n"
         )
     )
     assert sorted(k for k, _ in needs_restart(old, new)) == [
-        "fleet.killswitch",
         "fleet.redis.key_prefix",
         "fleet.redis.password_env",
         "fleet.redis.timeout",
