@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from datetime import UTC, date, datetime
 
+from sidecar.config.fileswitch import FileKillSwitch
 from sidecar.config.yamlnodes import Located, Path
 
 MAX_REASON = 1000
@@ -25,17 +25,6 @@ _RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+
 KEYS = ("scope", "reason", "until")
 FIRST = "0001-01-01T00:00:00Z"
 LAST = "9999-12-31T23:59:59Z"
-
-
-@dataclass(frozen=True, slots=True)
-class FileKillSwitch:
-    """One entry of the ``killswitches:`` section: retries off for ``scope`` until ``until``."""
-
-    scope: str  # "global" or "route:<name>"
-    reason: str
-    until: float  # epoch seconds
-    line: int  # where the entry is written, for warnings and set_by
-    index: int  # its position in the list: killswitches[index]
 
 
 def parse_until(value: object) -> float:

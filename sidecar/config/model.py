@@ -12,9 +12,9 @@ import socket
 from dataclasses import dataclass
 
 from sidecar.config import checks as c
+from sidecar.config.fileswitch import FileKillSwitch
 from sidecar.config.fleet import Fleet
 from sidecar.config.idempotency import IdempotencyPolicy, IdempotencyStorage
-from sidecar.config.killswitches import FileKillSwitch
 from sidecar.config.policies import (
     AutoTimeout,
     Backoff,
