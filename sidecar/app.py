@@ -33,7 +33,7 @@ from sidecar.engine.routestate import RouteStates
 from sidecar.heaptrim import HeapTrimmer
 from sidecar.idempotency import service as keys
 from sidecar.idempotency.admin import idempotency_routes
-from sidecar.idempotency.durability import sync_forever
+from sidecar.idempotency.durability import Checkpointed, sync_forever
 from sidecar.idempotency.outcome import IdempotencyOutcome
 from sidecar.idempotency.prune import prune_forever
 from sidecar.jsonapi import ExtraRoute
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from sidecar.dlq.redrive import Redrive
     from sidecar.dlq.replay import Replayer
     from sidecar.dlq.store import DlqStore
-    from sidecar.idempotency.sqlite import SqliteIdempotencyStore
+    from sidecar.idempotency.store import IdempotencyStore
 
 log = logging.getLogger("sidecar")
 
@@ -114,8 +114,8 @@ class Sidecar:
                 (("route", route), ("result", result))
             ),
         )
-        # The idempotency file: opened once a route enables idempotency (path restart-only).
-        self.keys = keys.KeyStoreService(config.idempotency.path, self.clock, self._keys_opened)
+        # The idempotency store: opened once a route enables idempotency (restart-only keys).
+        self.keys = keys.KeyStoreService(config, self.clock, self._keys_opened)
         self.reloader = (
             Reloader(config_path, self.store, self.apply, self._on_reload) if config_path else None
         )
@@ -180,10 +180,11 @@ class Sidecar:
             (o.value for o in IdempotencyOutcome),
         )
 
-    def _keys_opened(self, store: SqliteIdempotencyStore) -> None:
+    def _keys_opened(self, store: IdempotencyStore) -> None:
         self.deps.idempotency = store
         self.spawn("idempotency-prune", prune_forever(store))
-        self.spawn("idempotency-sync", sync_forever(store))
+        if isinstance(store, Checkpointed):  # the SQLite file (Redis keeps its own durability)
+            self.spawn("idempotency-sync", sync_forever(store))
 
     def _open_keys(self) -> None:
         if "idempotency-open" not in self._tasks:

@@ -13,10 +13,10 @@ from sidecar.config.schema import key
 LEASE_MARGIN = 5.0  # seconds over the route timeout when ``lease`` is not set
 
 OnStoreError = Literal["refuse", "pass"]
-# The fleet's shared store (redis) is declared with fleet mode, which brings it.
-Backend = Literal["sqlite"]
+# redis: the fleet's shared store; valid only with fleet.redis.url (config/fleet.py)
+Backend = Literal["sqlite", "redis"]
 ON_STORE_ERROR: tuple[OnStoreError, ...] = ("refuse", "pass")
-BACKENDS: tuple[Backend, ...] = ("sqlite",)
+BACKENDS: tuple[Backend, ...] = ("sqlite", "redis")
 
 
 def _lease(value: object) -> float | None:

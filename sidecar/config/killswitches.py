@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable, Iterable
 from datetime import UTC, date, datetime
 
-from sidecar.config.model import FileKillSwitch
+from sidecar.config.fileswitch import FileKillSwitch
 from sidecar.config.yamlnodes import Located, Path
 
 MAX_REASON = 1000

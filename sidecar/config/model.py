@@ -12,6 +12,8 @@ import socket
 from dataclasses import dataclass
 
 from sidecar.config import checks as c
+from sidecar.config.fileswitch import FileKillSwitch
+from sidecar.config.fleet import Fleet
 from sidecar.config.idempotency import IdempotencyPolicy, IdempotencyStorage
 from sidecar.config.policies import (
     AutoTimeout,
@@ -357,17 +359,6 @@ class UpstreamPool:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class FileKillSwitch:
-    """One entry of the ``killswitches:`` section: retries off for ``scope`` until ``until``."""
-
-    scope: str  # "global" or "route:<name>"
-    reason: str
-    until: float  # epoch seconds
-    line: int  # where the entry is written, for warnings and set_by
-    index: int  # its position in the list: killswitches[index]
-
-
 _ROUTES_EXAMPLE = """
   - name: orders
     match: {path_prefix: /orders, methods: [GET, POST]}
@@ -422,8 +413,11 @@ class Config:
     )
     dlq: DlqFile = section(DlqFile, help="the DLQ file and its bounds")
     idempotency: IdempotencyStorage = section(
-        IdempotencyStorage, flow=True, help="where the idempotency keys are kept"
+        IdempotencyStorage,
+        flow=True,
+        help="where the idempotency keys are kept: `sqlite` (at `path`) or `redis` (`fleet.redis`)",
     )
+    fleet: Fleet = section(Fleet, rows=True)
     limits: Limits = section(Limits, rows=True)
     drain_timeout: float = key(
         20.0,  # applies to the next drain

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from sidecar.idempotency.store import StoreError
 
@@ -18,6 +18,7 @@ log = logging.getLogger("sidecar.idempotency")
 EVERY = 0.1  # seconds between two checkpoints, while keys are written
 
 
+@runtime_checkable
 class Checkpointed(Protocol):
     def take_written(self) -> bool:
         """Whether a write committed since the last call (and forget it); on the loop."""

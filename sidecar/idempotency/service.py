@@ -1,6 +1,9 @@
-"""The idempotency file of a running process: opened when a route first enables idempotency (at
+"""The idempotency store of a running process: opened when a route first enables idempotency (at
 start, or on the reload that enables it), tried again with a backoff while it cannot be opened
-(guarded writes get their route's ``on_store_error`` meanwhile), closed at stop.
+(guarded writes get their route's ``on_store_error`` meanwhile), closed at stop. The backend is
+the one the process started with (``idempotency.backend`` is restart-only): the SQLite file at
+``idempotency.path``, or the fleet's Redis (``redis``: opening makes the client and no
+connection; an unreachable Redis is a ``StoreError`` per call, so it never needs reopening).
 
 The opening runs in a worker thread. A stop that comes during it closes the store it was opening:
 ``SqliteIdempotencyStore.close`` marks it closed, and an ``open`` still running closes the
@@ -11,14 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+from sidecar.config.fleet import FleetRedis
 from sidecar.config.model import Config
 from sidecar.core import Clock
+from sidecar.idempotency.store import IdempotencyStore
 
 if TYPE_CHECKING:
-    # sqlite3 is loaded when a route first enables idempotency, never for a sidecar without.
+    # sqlite3 (or redis) is loaded when a route first enables idempotency, never without.
     from sidecar.idempotency.sqlite import SqliteIdempotencyStore
 
 log = logging.getLogger("sidecar.idempotency")
@@ -36,23 +41,41 @@ def reopen_delay(failures: int) -> float:
     return float(min(REOPEN_MAX, REOPEN_FIRST * 2 ** max(0, failures - 1)))
 
 
+def _in_thread(store: SqliteIdempotencyStore) -> Callable[[], Awaitable[None]]:
+    """No more calls from now (``detach``, on the loop), then the final checkpoint and the
+    file's closing in a worker thread."""
+
+    async def close() -> None:
+        store.detach()
+        await asyncio.to_thread(store.close)
+
+    return close
+
+
 class KeyStoreService:
     def __init__(
         self,
-        path: str,
+        config: Config,
         clock: Clock,
-        on_open: Callable[[SqliteIdempotencyStore], None],
+        on_open: Callable[[IdempotencyStore], None],
     ) -> None:
-        self.path = path  # the file the process started with (``path`` is restart-only)
+        # What the process started with (``backend``, ``path`` and ``fleet`` are restart-only).
+        self.path = config.idempotency.path
+        self.backend = config.idempotency.backend
+        self._redis: FleetRedis = config.fleet.redis
         self._clock = clock
         self._on_open = on_open
-        self.store: SqliteIdempotencyStore | None = None
+        self.store: IdempotencyStore | None = None
+        self._closing: Callable[[], Awaitable[None]] | None = None  # the open store's close
         self._lock = asyncio.Lock()
 
     async def open(self, draining: Callable[[], bool]) -> bool:
         """One try; False when the file could not be opened now."""
         async with self._lock:
             if self.store is not None:
+                return True
+            if self.backend == "redis":
+                self._open_redis()
                 return True
             import sqlite3
 
@@ -72,9 +95,19 @@ class KeyStoreService:
                 await asyncio.to_thread(store.close)
                 return True
             self.store = store
+            self._closing = _in_thread(store)
             self._on_open(store)
             log.info("idempotency store open at %s", self.path)
             return True
+
+    def _open_redis(self) -> None:
+        from sidecar.fleet.connection import FleetLink
+        from sidecar.idempotency.redisstore import RedisIdempotencyStore
+
+        store = RedisIdempotencyStore(FleetLink(self._redis, self._clock), self._clock)
+        self.store, self._closing = store, store.close
+        self._on_open(store)
+        log.info("idempotency keys kept in the fleet Redis (%s)", self._redis.url)
 
     async def keep_opening(self, draining: Callable[[], bool]) -> None:
         """Open, trying again with a backoff while the file cannot be opened."""
@@ -90,9 +123,7 @@ class KeyStoreService:
             await asyncio.sleep(delay)
 
     async def close(self) -> None:
-        """No more calls from now (``detach``, on the loop), then the final checkpoint and the
-        file's closing in a worker thread."""
-        store, self.store = self.store, None
-        if store is not None:
-            store.detach()
-            await asyncio.to_thread(store.close)
+        closing, self._closing = self._closing, None
+        self.store = None
+        if closing is not None:
+            await closing()

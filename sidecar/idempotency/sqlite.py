@@ -40,6 +40,7 @@ from sidecar.idempotency import schema
 from sidecar.idempotency.decision import Decision, KeyState, decide
 from sidecar.idempotency.keep import KeptAnswer
 from sidecar.idempotency.store import (
+    ABANDONED_KEEP,
     Busy,
     Claimed,
     ClaimResult,
@@ -52,7 +53,6 @@ from sidecar.idempotency.store import (
 log = logging.getLogger("sidecar.idempotency")
 
 BUSY_TIMEOUT_MS = 50  # the longest a call waits for a lock held elsewhere (on the loop thread)
-ABANDONED_KEEP = 24 * 3600.0  # seconds an abandoned claim is kept past its lease (counted)
 FILE_MODE = 0o600
 T = TypeVar("T")
 COLUMNS = "key, finished, fingerprint, token, created_at, expires_at, status, headers, body, size"

@@ -33,6 +33,8 @@ from typing import Protocol
 
 from sidecar.idempotency.keep import KeptAnswer
 
+ABANDONED_KEEP = 24 * 3600.0  # seconds an abandoned claim is kept past its lease (counted)
+
 
 class StoreError(Exception):
     """The store could not answer (unreachable, failing, or slower than its timeout)."""

@@ -147,7 +147,7 @@ TOP_KEYS: dict[str, st.SearchStrategy[Any]] = {
     "dlq.path": kind(["/nonexistent/dlq.sqlite3"], [""]),
     "dlq.max_records": kind([1, 100_000_000], [0]),
     "dlq.max_bytes": SIZES,
-    "idempotency.backend": kind(["sqlite"], ["memcached"]),
+    "idempotency.backend": kind(["sqlite", "redis"], ["memcached"]),
     "idempotency.path": kind(["/nonexistent/idempotency.sqlite3"], [""]),
     "limits.max_header_bytes": SIZES,
     "limits.header_timeout": POSITIVE,
@@ -162,6 +162,26 @@ TOP_KEYS: dict[str, st.SearchStrategy[Any]] = {
     "upstream_pool.idle_timeout": POSITIVE,
     "upstream_pool.dns_refresh": POSITIVE,
     "workers": kind([1], [2]),
+    "fleet.redis.url": kind(
+        [
+            None,
+            "redis://127.0.0.1:9/0",
+            "rediss://redis.retry:6380",
+            "redis://[::1]",
+            "redis://u@h/15",
+        ],
+        [
+            "redis://:secret@h",
+            "unix:///run/redis.sock",
+            "redis+sentinel://h",
+            "http://h",
+            "redis://h?x=1",
+        ],
+    ),
+    "fleet.redis.key_prefix": kind(["retry-sidecar:", "svc/a:", "x" * 64], ["", "a b", "x" * 65]),
+    "fleet.redis.password_env": kind(["RETRY_SIDECAR_REDIS_PASSWORD", None], ["1x"]),
+    "fleet.redis.timeout": POSITIVE,
+    "fleet.killswitch": BOOLS,
 }
 
 

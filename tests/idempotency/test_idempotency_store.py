@@ -1,6 +1,7 @@
 """The SQLite idempotency store, for real: temporary files, restarts by reopening, concurrent
 claims from coroutines, threads and processes, a writer killed mid-transaction. Each async test
-runs under asyncio and under uvloop (as shipped)."""
+runs under asyncio and under uvloop (as shipped). The contract tests that take ``with_store``
+run for the fleet's Redis store too, against a real redis-server (tests/redisserver.py)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,33 @@ import subprocess
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
 import uvloop
 
+from sidecar.config.fleet import FleetRedis
+from sidecar.fleet.connection import FleetLink
 from sidecar.idempotency.keep import KeptAnswer
 from sidecar.idempotency.prune import prune_pass
+from sidecar.idempotency.redisstore import RedisIdempotencyStore
 from sidecar.idempotency.sqlite import SqliteIdempotencyStore
-from sidecar.idempotency.store import Busy, Claimed, Finished, Mismatch, StoreError
+from sidecar.idempotency.store import (
+    Busy,
+    Claimed,
+    Finished,
+    IdempotencyStore,
+    Mismatch,
+    StoreError,
+)
 from sidecar.testing import FakeClock
+from tests.redisserver import running
 
 ROOT = Path(__file__).resolve().parents[2]
 Run = Callable[[Callable[[], Awaitable[Any]]], Any]
+WithStore = Callable[[Callable[[IdempotencyStore], Awaitable[Any]]], Any]
 ANSWER = KeptAnswer(201, ((b"Content-Type", b"application/json"),), b'{"id": 7}')
 
 
@@ -59,11 +73,37 @@ def opened(path: Path, clock: FakeClock, **kw: Any) -> SqliteIdempotencyStore:
     return store
 
 
-@pytest.fixture
-def store(db: Path, clock: FakeClock) -> Iterator[SqliteIdempotencyStore]:
-    s = opened(db, clock)
-    yield s
-    s.close()
+def redis_store(url: str, clock: FakeClock, timeout: float = 5.0) -> RedisIdempotencyStore:
+    """The fleet store on a real Redis; made inside the loop that uses it (its connections
+    belong to that loop)."""
+    settings = FleetRedis(url=url, key_prefix="test:", password_env=None, timeout=timeout)
+    return RedisIdempotencyStore(FleetLink(settings, clock), clock)
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def with_store(
+    request: pytest.FixtureRequest, run: Run, db: Path, clock: FakeClock, tmp_path: Path
+) -> Iterator[WithStore]:
+    """Runs ``main(store)`` in a fresh loop, on each backend of the contract."""
+    with ExitStack() as stack:
+        if request.param == "sqlite":
+            s = opened(db, clock)
+            stack.callback(s.close)
+            yield lambda main: run(lambda: main(s))
+            return
+        server = stack.enter_context(running(tmp_path / "redis"))
+
+        def go(main: Callable[[IdempotencyStore], Awaitable[Any]]) -> Any:
+            async def inner() -> Any:
+                store = redis_store(server.url, clock)
+                try:
+                    return await main(store)
+                finally:
+                    await store.close()
+
+            return run(inner)
+
+        yield go
 
 
 def test_a_finished_answer_is_replayed_and_survives_a_restart(
@@ -100,10 +140,8 @@ def test_a_finished_answer_is_replayed_and_survives_a_restart(
     again.close()
 
 
-def test_release_and_complete_are_compare_and_set_on_the_token(
-    run: Run, store: SqliteIdempotencyStore
-) -> None:
-    async def main() -> None:
+def test_release_and_complete_are_compare_and_set_on_the_token(with_store: WithStore) -> None:
+    async def main(store: IdempotencyStore) -> None:
         claim = await store.claim("k", "fp", 30.0)
         assert isinstance(claim, Claimed)
         assert not await store.release("k", "not-the-token")
@@ -114,13 +152,13 @@ def test_release_and_complete_are_compare_and_set_on_the_token(
         assert await store.get("k") is None
         assert isinstance(await store.claim("k", "fp", 30.0), Claimed)
 
-    run(main)
+    with_store(main)
 
 
 def test_a_dead_holders_lease_is_taken_over_and_its_late_answer_refused(
-    run: Run, store: SqliteIdempotencyStore, clock: FakeClock
+    with_store: WithStore, clock: FakeClock
 ) -> None:
-    async def main() -> None:
+    async def main(store: IdempotencyStore) -> None:
         dead = await store.claim("k", "fp", 5.0)
         assert isinstance(dead, Claimed)
         clock.advance(4.9)
@@ -135,16 +173,14 @@ def test_a_dead_holders_lease_is_taken_over_and_its_late_answer_refused(
         again = await store.claim("k", "other", 5.0)
         assert isinstance(again, Claimed) and not again.took_over
 
-    run(main)
+    with_store(main)
 
 
-def test_concurrent_claims_from_coroutines_give_exactly_one_claim(
-    run: Run, store: SqliteIdempotencyStore
-) -> None:
-    async def main() -> list[object]:
+def test_concurrent_claims_from_coroutines_give_exactly_one_claim(with_store: WithStore) -> None:
+    async def main(store: IdempotencyStore) -> list[object]:
         return list(await asyncio.gather(*(store.claim("k", "fp", 30.0) for _ in range(100))))
 
-    results = run(main)
+    results = with_store(main)
     assert sum(isinstance(r, Claimed) for r in results) == 1
     assert sum(isinstance(r, Busy) for r in results) == 99
 

@@ -27,7 +27,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"outcomes"}),
     frozenset({"core"}),
     frozenset({"__init__", "config", "lifecycle", "heaptrim", "jsonapi", "testing"}),
-    frozenset({"retry", "upstream", "telemetry"}),
+    frozenset({"retry", "upstream", "telemetry", "fleet"}),
     frozenset({"engine", "explain"}),
     frozenset({"proxy", "dlq", "idempotency"}),
     frozenset({"admin"}),

@@ -1,0 +1,254 @@
+"""The fleet's idempotency store: keys in the Redis the sidecars share (``fleet.redis``), so a
+duplicate that a load balancer sends to another replica finds the key (issue 24).
+
+One hash per key, ``<key_prefix>idem:<stored key>``: ``finished``, ``fingerprint``, ``token``,
+``created_at``, ``expires_at`` and, once finished, the kept answer (``status``, ``headers``,
+``body``, ``kept``, ``size``). The calls map onto Redis as ``store.py`` says:
+
+- ``claim``: an optimistic transaction: ``WATCH`` the key, read it, decide with the same
+  ``decision.decide`` as every store, and write the claim in ``MULTI``/``EXEC`` (a concurrent
+  writer makes ``EXEC`` fail and the claim reads again), so concurrent claims of one key from
+  any number of sidecars give one ``Claimed``. An in-progress key expires by itself
+  (``PEXPIRE``) ``ABANDONED_KEEP`` after its lease, a finished one after its ttl: ``prune`` has
+  nothing to do.
+- ``complete`` / ``release``: Lua compare-and-set / compare-and-delete on the claim token,
+  atomic on the server.
+- ``get`` / ``forget``: ``HGETALL`` / ``DEL``.
+
+Times are the caller's wall clock (as for a SQLite file that processes share): expiry stamps
+are compared by ``decide``; Redis's own expiry uses durations only. Every call is bounded by
+``fleet.redis.timeout`` (``FleetLink``); past it, or while the link pauses after a failure, the
+call is a ``StoreError`` and the route's ``on_store_error`` applies. A claim that timed out or
+was cancelled after it was sent is undone: its token is released (and once more a timeout
+later, in case the claim reached Redis after the first release).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import secrets
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, TypeVar
+
+from sidecar.core import Clock
+from sidecar.fleet.connection import FleetLink, FleetUnavailable
+from sidecar.idempotency.decision import Decision, KeyState, decide
+from sidecar.idempotency.keep import KeptAnswer
+from sidecar.idempotency.store import (
+    ABANDONED_KEEP,
+    Busy,
+    Claimed,
+    ClaimResult,
+    Finished,
+    KeyRecord,
+    Mismatch,
+    StoreError,
+)
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+T = TypeVar("T")
+ROUNDS = 50  # optimistic rounds of one claim before it counts as a store error
+
+# KEYS[1]: the key; ARGV: token, created_at, expires_at, status, headers, body, kept, size, px
+_COMPLETE = """
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1]
+   or redis.call('HGET', KEYS[1], 'finished') ~= '0' then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'finished', '1', 'token', '', 'created_at', ARGV[2],
+  'expires_at', ARGV[3], 'status', ARGV[4], 'headers', ARGV[5], 'body', ARGV[6],
+  'kept', ARGV[7], 'size', ARGV[8])
+redis.call('PEXPIRE', KEYS[1], ARGV[9])
+return 1
+"""
+# KEYS[1]: the key; ARGV[1]: the token
+_RELEASE = """
+if redis.call('HGET', KEYS[1], 'token') == ARGV[1]
+   and redis.call('HGET', KEYS[1], 'finished') == '0' then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+def _ms(seconds: float) -> int:
+    return max(1, math.ceil(seconds * 1000))
+
+
+Fields = Mapping[bytes | str, bytes | str]  # HGETALL (bytes: the client decodes nothing)
+
+
+def _raw(fields: Fields, name: str) -> bytes:
+    value = fields.get(name.encode(), b"")
+    return value.encode() if isinstance(value, str) else value
+
+
+def _text(fields: Fields, name: str) -> str:
+    return _raw(fields, name).decode()
+
+
+def _state(fields: Fields) -> KeyState | None:
+    if not fields:
+        return None
+    return KeyState(
+        _text(fields, "finished") == "1",
+        _text(fields, "fingerprint"),
+        float(_text(fields, "expires_at")),
+    )
+
+
+def _record(key: str, fields: Fields) -> KeyRecord:
+    finished = _text(fields, "finished") == "1"
+    answer = None
+    if finished:
+        headers = tuple(
+            (k.encode("latin-1"), v.encode("latin-1"))
+            for k, v in json.loads(_text(fields, "headers") or "[]")
+        )
+        body = _raw(fields, "body") if _text(fields, "kept") == "1" else None
+        size = int(_text(fields, "size")) if _text(fields, "size") else None
+        answer = KeptAnswer(int(_text(fields, "status")), headers, body, size)
+    return KeyRecord(
+        key,
+        finished,
+        _text(fields, "fingerprint"),
+        float(_text(fields, "created_at")),
+        float(_text(fields, "expires_at")),
+        answer,
+    )
+
+
+class RedisIdempotencyStore:
+    """``IdempotencyStore`` in the fleet's Redis. Opening makes no connection (the first call
+    does); ``close`` waits for the undos in flight, then closes the client."""
+
+    def __init__(
+        self, link: FleetLink, clock: Clock, *, abandoned_keep: float = ABANDONED_KEEP
+    ) -> None:
+        self._link = link
+        self._clock = clock
+        self._abandoned_keep = abandoned_keep
+        self._prefix = link.prefix + "idem:"
+        self._complete = link.client.register_script(_COMPLETE)
+        self._release = link.client.register_script(_RELEASE)
+        self._undos: set[asyncio.Task[None]] = set()
+
+    @property
+    def connected(self) -> bool:
+        return self._link.connected
+
+    def _name(self, key: str) -> str:
+        return self._prefix + key
+
+    async def _call(self, fn: Callable[[Redis], Awaitable[T]]) -> T:
+        try:
+            return await self._link.call(fn)
+        except FleetUnavailable as exc:
+            raise StoreError(str(exc)) from None
+
+    async def claim(self, key: str, fingerprint: str, lease: float) -> ClaimResult:
+        from redis.exceptions import WatchError
+
+        token = secrets.token_hex(16)
+        name = self._name(key)
+        keep = _ms(lease + self._abandoned_keep)
+
+        async def run(client: Redis) -> ClaimResult:
+            async with client.pipeline(transaction=True) as pipe:
+                for _ in range(ROUNDS):
+                    try:
+                        await pipe.watch(name)
+                        fields = await pipe.hgetall(name)
+                        now = self._clock.wall()
+                        decision = decide(_state(fields), fingerprint, now)
+                        if decision is Decision.IN_PROGRESS:
+                            return Busy(float(_text(fields, "expires_at")))
+                        if decision is Decision.MISMATCH:
+                            return Mismatch()
+                        if decision is Decision.REPLAYED:
+                            return Finished(_record(key, fields))
+                        pipe.multi()  # type: ignore[no-untyped-call]
+                        pipe.delete(name)
+                        pipe.hset(
+                            name,
+                            mapping={
+                                "finished": "0",
+                                "fingerprint": fingerprint,
+                                "token": token,
+                                "created_at": repr(now),
+                                "expires_at": repr(now + lease),
+                            },
+                        )
+                        pipe.pexpire(name, keep)
+                        await pipe.execute()
+                        return Claimed(token, took_over=decision is Decision.LEASE_EXPIRED)
+                    except WatchError:
+                        continue
+            raise StoreError(f"the claim of one key lost {ROUNDS} rounds to other writers")
+
+        try:
+            return await self._call(run)
+        except (StoreError, asyncio.CancelledError):
+            self._undo(key, token)  # the claim may have reached Redis after all
+            raise
+
+    def _undo(self, key: str, token: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._undo_claim(key, token))
+        self._undos.add(task)
+        task.add_done_callback(self._undos.discard)
+
+    async def _undo_claim(self, key: str, token: str) -> None:
+        for attempt in range(2):
+            with contextlib.suppress(StoreError):
+                if await self.release(key, token):
+                    return
+            if attempt == 0:
+                await asyncio.sleep(self._link.timeout)
+
+    async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> bool:
+        now = self._clock.wall()
+        pairs = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in answer.headers]
+        args: list[bytes | str] = [
+            token,
+            repr(now),
+            repr(now + ttl),
+            str(answer.status),
+            json.dumps(pairs),
+            answer.body if answer.body is not None else b"",
+            "1" if answer.body is not None else "0",
+            "" if answer.size is None else str(answer.size),
+            str(_ms(ttl)),
+        ]
+        name = self._name(key)
+        done = await self._call(lambda c: self._complete(keys=[name], args=args, client=c))
+        return bool(done)
+
+    async def release(self, key: str, token: str) -> bool:
+        name = self._name(key)
+        done = await self._call(lambda c: self._release(keys=[name], args=[token], client=c))
+        return bool(done)
+
+    async def get(self, key: str) -> KeyRecord | None:
+        name = self._name(key)
+        fields: Fields = await self._call(lambda c: c.hgetall(name))
+        return _record(key, fields) if fields else None
+
+    async def forget(self, key: str) -> bool:
+        name = self._name(key)
+        deleted: int = await self._call(lambda c: c.delete(name))
+        return deleted == 1
+
+    async def prune(self, limit: int) -> int:
+        return 0  # Redis expires keys by itself (PEXPIRE)
+
+    async def close(self) -> None:
+        if self._undos:
+            await asyncio.wait(set(self._undos), timeout=2 * self._link.timeout)
+        for task in self._undos:
+            task.cancel()
+        await self._link.close()

@@ -1,0 +1,153 @@
+"""Effectively-once writes across replicas (issue 24): two real sidecar processes keep their
+keys in one real redis-server (``idempotency: {backend: redis}``), in front of one app on
+loopback that counts the writes it runs. Duplicates split between the sidecars reach the app
+once; a paused Redis gets the route's ``on_store_error``; a Redis killed and restarted mid-traffic
+has lost no answer a client was given."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.idempotency import test_idempotency_process as process
+from tests.idempotency.test_idempotency_process import TIMEOUT, WriteApp, counts, post, problem
+from tests.proc import SidecarProcess, start_process
+from tests.redisserver import RedisServer, running
+
+pytestmark = pytest.mark.slow
+app = process.app  # the fixtures: the counting app, the sidecars stopped after the test
+proc_stack = process.proc_stack
+
+
+@pytest.fixture
+async def redis(tmp_path: Path) -> AsyncIterator[RedisServer]:
+    with running(tmp_path / "redis") as server:
+        yield server
+
+
+def fleet_config(app: WriteApp, redis: RedisServer, idem: str = "{enabled: true}") -> str:
+    return (
+        "idempotency: {backend: redis}\n"
+        f'fleet: {{redis: {{url: "{redis.url}", timeout: 500ms}}}}\n'
+        "routes:\n"
+        "  - name: orders\n"
+        f'    upstream: "http://127.0.0.1:{app.port}"\n'
+        f"    idempotency: {idem}\n"
+    )
+
+
+async def start_in(stack: list[SidecarProcess], directory: Path, body: str) -> tuple[int, int]:
+    directory.mkdir()
+    proc, port, admin = await start_process(directory, body)
+    stack.append(proc)
+    return port, admin
+
+
+async def test_fifty_duplicates_split_between_two_sidecars_reach_the_app_once(
+    app: WriteApp,
+    tmp_path: Path,
+    proc_stack: list[SidecarProcess],
+    redis: RedisServer,
+) -> None:
+    body = fleet_config(app, redis)
+    a, admin_a = await start_in(proc_stack, tmp_path / "a", body)
+    b, admin_b = await start_in(proc_stack, tmp_path / "b", body)
+    go = asyncio.Event()
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+
+        async def one(port: int) -> tuple[int, bytes]:
+            await go.wait()
+            url = f"http://127.0.0.1:{port}/orders"
+            async with s.post(url, data=b'{"sku": 1}', headers={"Idempotency-Key": "dup"}) as r:
+                return r.status, await r.read()
+
+        tasks = [asyncio.create_task(one(a if i % 2 else b)) for i in range(50)]
+        go.set()
+        results = await asyncio.gather(*tasks)
+    assert len(app.writes) == 1
+    assert {status for status, _ in results} <= {201, 409}
+    firsts = (await counts(admin_a)).get("first", 0) + (await counts(admin_b)).get("first", 0)
+    assert firsts == 1
+    # Whichever sidecar ran it, both replay the one answer now.
+    for port in (a, b):
+        status, headers, again = await post(port, key="dup")
+        assert (status, json.loads(again), headers["Idempotent-Replayed"]) == (
+            201,
+            {"write": 1},
+            "true",
+        )
+
+
+@pytest.mark.parametrize("on_error", ["refuse", "pass"])
+async def test_a_redis_paused_past_its_timeout_gets_on_store_error(
+    app: WriteApp,
+    tmp_path: Path,
+    proc_stack: list[SidecarProcess],
+    redis: RedisServer,
+    on_error: str,
+) -> None:
+    port, admin = await start_in(
+        proc_stack,
+        tmp_path / "a",
+        fleet_config(app, redis, f"{{enabled: true, on_store_error: {on_error}}}"),
+    )
+    assert (await post(port, key="before"))[0] == 201
+    redis.pause()
+    try:
+        status, headers, made = await post(port, key="during")
+    finally:
+        redis.resume()
+    if on_error == "refuse":
+        assert status == 503 and headers["Content-Type"] == "application/problem+json"
+        problem(made, "store-unavailable")
+        assert len(app.writes) == 1
+    else:
+        assert status == 201 and len(app.writes) == 2
+    assert (await counts(admin))["store-error"] == 1
+
+
+async def test_a_redis_killed_and_restarted_mid_traffic_loses_no_kept_answer(
+    app: WriteApp,
+    tmp_path: Path,
+    proc_stack: list[SidecarProcess],
+    redis: RedisServer,
+) -> None:
+    port, _ = await start_in(proc_stack, tmp_path / "a", fleet_config(app, redis))
+    given: dict[str, bytes] = {}  # key -> the answer a client was given (201)
+    stop = asyncio.Event()
+
+    async def traffic() -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            status, _, body = await post(port, body=b"%d" % i, key=f"k{i}")
+            if status == 201:
+                given[f"k{i}"] = body
+
+    writer = asyncio.create_task(traffic())
+    try:
+        while len(given) < 20:
+            await asyncio.sleep(0.01)
+        # Each of these answers was held until Redis acknowledged its key kept (the guard
+        # sends it only then). restart() blocks the loop: nothing is added meanwhile.
+        acknowledged = dict(given)
+        redis.restart()  # SIGKILL while keys are being claimed and kept, then the same files
+        while len(given) < len(acknowledged) + 20:
+            await asyncio.sleep(0.01)
+    finally:
+        stop.set()
+        await writer
+    for key, body in given.items():
+        status, headers, again = await post(port, body=key[1:].encode(), key=key)
+        if key in acknowledged:
+            assert (status, again, headers.get("Idempotent-Replayed")) == (201, body, "true"), key
+        else:
+            # Answered while Redis was down: kept, or its completion failed and the key stays
+            # claimed until its lease -- never run twice.
+            assert status == 409 or (status, again) == (201, body), key
+    assert len(app.writes) == len(set(app.writes))  # no write ran twice
