@@ -5,7 +5,9 @@
 with "the route would retry this") at most once, and keeps or releases the key. It owns the
 claim: on every exit -- a return, an exception from ``forward``, a cancellation half-way (the
 client gone), a timeout around it -- the key is completed or released, and that store call
-runs to its end even when the caller is cancelled meanwhile.
+runs to its end even when the caller is cancelled meanwhile. Once the app's answer head came
+(``answered``, filled by the forward side) the app has acted: whatever ends ``forward`` after
+that, the key is settled by that answer (its status kept, its body not), never given back.
 
 What the handler does with the result: an ``Answer`` is the sidecar's own (a problem, a replay
 with ``Idempotent-Replayed: true``): sent as is, the app never called; a ``Forwarded`` is the
@@ -46,6 +48,9 @@ log = logging.getLogger("sidecar.idempotency")
 body_too_large = problem.body_too_large
 
 Forward = Callable[[], Awaitable[Forwarded]]
+# The app's answer head, once it came (its body None: not held), else None: filled by the
+# forward side when the head arrives, read by the guard when ``forward`` ends without a result.
+Answered = Callable[[], Forwarded | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +99,8 @@ async def guarded(
     request: RequestView,
     forward: Forward,
     clock: Clock,
+    *,
+    answered: Answered | None = None,
 ) -> GuardResult:
     if not policy.guards(request.method):
         return GuardResult(await forward(), None)
@@ -124,19 +131,42 @@ async def guarded(
     if isinstance(claim, Finished):
         assert claim.record.answer is not None
         return GuardResult(replay(key, claim.record.answer), O.REPLAYED)
-    return await _run_claimed(policy, store, skey, claim, forward)
+    return await _run_claimed(policy, store, skey, claim, forward, answered=answered)
 
 
 async def _run_claimed(
-    policy: IdempotencyPolicy, store: IdempotencyStore, skey: str, claim: Claimed, forward: Forward
+    policy: IdempotencyPolicy,
+    store: IdempotencyStore,
+    skey: str,
+    claim: Claimed,
+    forward: Forward,
+    *,
+    answered: Answered | None,
 ) -> GuardResult:
     try:
         forwarded = await forward()
     except BaseException:
+        head = answered() if answered is not None else None
+        if head is not None:
+            # The app's answer head came: the app acted, whatever broke after (the client
+            # gone mid-body, a cancellation): its key is settled by that answer, body not kept.
+            await _settle_by(policy, store, skey, claim, head)
+            raise
         # Failed, cancelled (the client gone) or timed out half-way: nobody knows whether the
         # app acted, and nobody will hear its answer; the client's retry must be able to run.
         await _settle(store.release(skey, claim.token))
         raise
+    return await _settle_by(policy, store, skey, claim, forwarded)
+
+
+async def _settle_by(
+    policy: IdempotencyPolicy,
+    store: IdempotencyStore,
+    skey: str,
+    claim: Claimed,
+    forwarded: Forwarded,
+) -> GuardResult:
+    """Keep or release the key by the app's answer."""
     disposition = dispose(forwarded, policy.max_response_bytes)
     if disposition is Disposition.RELEASE:
         settled = await _settle(store.release(skey, claim.token))

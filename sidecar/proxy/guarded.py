@@ -79,14 +79,28 @@ def forwarded(ctx: RequestContext, held: HeldAnswer, resp: web.StreamResponse) -
         body = own if isinstance(own, bytes) else None
         stored = resp.headers.get("x-retry-dlq") == "stored"
         return Forwarded(resp.status, _headers(resp), body, not stored)
-    captured = held.captured
-    stored = captured is not None and captured.record_id is not None
-    status = resp.status
-    retryable = held.made_by_sidecar or status in ctx.route.retry.retry_on.statuses
     # None: relayed as it came, or broken mid-body -- the app answered (the write took
     # effect), so its status is kept; a duplicate is told its answer was not kept.
     kept = held.body if held.resp is not None else None
-    return Forwarded(status, tuple(held.headers), kept, retryable and not stored)
+    return _app_answer(ctx, held, resp.status, kept)
+
+
+def head_of(ctx: RequestContext, held: HeldAnswer) -> Forwarded | None:
+    """The app's answer as far as it came, once its head came (the app acted), else None: what
+    settles the key when the sequence ends without a result (the client gone mid-body, a
+    cancellation at stop). Its body is not kept."""
+    if held.status is None:
+        return None
+    return _app_answer(ctx, held, held.status, None)
+
+
+def _app_answer(
+    ctx: RequestContext, held: HeldAnswer, status: int, body: bytes | None
+) -> Forwarded:
+    captured = held.captured
+    stored = captured is not None and captured.record_id is not None
+    retryable = held.made_by_sidecar or status in ctx.route.retry.retry_on.statuses
+    return Forwarded(status, tuple(held.headers), body, retryable and not stored)
 
 
 async def run_guarded(ctx: RequestContext, intake: Intake) -> web.StreamResponse:
@@ -111,7 +125,12 @@ async def run_guarded(ctx: RequestContext, intake: Intake) -> web.StreamResponse
         return forwarded(ctx, held, resp)
 
     result = await guarded(
-        route.idempotency, deps.idempotency or NOT_OPEN, view, forward, deps.clock
+        route.idempotency,
+        deps.idempotency or NOT_OPEN,
+        view,
+        forward,
+        deps.clock,
+        answered=lambda: head_of(ctx, held),
     )
     if result.outcome is not None:
         deps.idempotency_result(route.name, result.outcome.value)

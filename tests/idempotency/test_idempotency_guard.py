@@ -321,3 +321,43 @@ def test_a_dead_holders_key_is_taken_over_after_its_lease_and_counted(
         assert app.calls == 1
 
     run(main)
+
+
+@pytest.mark.parametrize("end", ["cancelled", "raised"])
+def test_once_the_answer_head_came_the_key_is_finished_whatever_ends_forward(
+    run: Run, store: SqliteIdempotencyStore, clock: FakeClock, end: str
+) -> None:
+    """The app's head came (a large answer streamed, not held), then the forward ends without a
+    result: cancelled (the client gone mid-body, a stop) or raising. The app acted: the key is
+    finished with its status, the body not kept, and a duplicate is replayed that status."""
+
+    async def main() -> None:
+        head: list[Forwarded] = []
+        gate = asyncio.Event()
+        entered = asyncio.Event()
+
+        async def forward() -> Forwarded:
+            head.append(Forwarded(200, JSON, None, False))
+            entered.set()
+            await gate.wait()
+            raise ConnectionError("the client went away mid-body")
+
+        task = asyncio.ensure_future(
+            guarded(POLICY, store, view(), forward, clock, answered=lambda: next(iter(head), None))
+        )
+        await entered.wait()
+        if end == "cancelled":
+            task.cancel()
+        else:
+            gate.set()
+        with pytest.raises(asyncio.CancelledError if end == "cancelled" else ConnectionError):
+            await task
+        record = await store.get(stored_key("k1", NO_SCOPE))
+        assert record is not None and record.finished
+        assert record.answer == KeptAnswer(200, (), None, None)
+        app = App()
+        again = await guarded(POLICY, store, view(), app.forward, clock)
+        assert again.outcome is O.REPLAYED and app.calls == 0
+        assert isinstance(again.answer, Answer) and again.answer.status == 200
+
+    run(main)

@@ -1,0 +1,126 @@
+"""A guarded write outlives its client (issue 23): the real sidecar process (uvloop, as shipped)
+in front of a real app that counts the writes it runs. Once a write may have reached the app it
+is never given back because the client went: the exchange runs on in the background (nginx's
+``proxy_ignore_client_abort on``), and its key is settled by the app's answer -- finished with
+it (kept whole, or its status when it is streamed) -- so the client's retry is replayed, or
+gets 409 while the first still runs. A stop whose drain runs out leaves the key in progress
+until its lease, as a killed sidecar does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+from aiohttp import web
+
+from tests.idempotency.test_idempotency_process import (
+    call,
+    config,
+    post,
+    start,
+)
+from tests.idempotency.test_idempotency_process import proc_stack as proc_stack
+from tests.wait import until_async
+
+pytestmark = pytest.mark.slow
+
+BIG = 64 * 1024  # the streamed answer's first part, over the route's max_response_bytes
+
+
+@dataclass
+class GatedApp:
+    """Every POST is a write (counted); it is answered once ``gate`` opens: 201 whole, or (for
+    ``/big``) a 200 whose head and first ``BIG`` bytes come at once and the rest after the
+    gate (too large to keep: relayed as it comes)."""
+
+    port: int = 0
+    writes: int = 0
+    entered: asyncio.Event = field(default_factory=asyncio.Event)
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        self.writes += 1
+        self.entered.set()
+        if request.path == "/big":
+            resp = web.StreamResponse(status=200, headers={"Content-Type": "text/plain"})
+            await resp.prepare(request)
+            await resp.write(b"x" * BIG)
+            await self.gate.wait()
+            await resp.write(b"y" * 16)
+            await resp.write_eof()
+            return resp
+        await self.gate.wait()
+        return web.json_response({"write": self.writes}, status=201)
+
+
+@pytest.fixture
+async def app() -> AsyncIterator[GatedApp]:
+    ga = GatedApp()
+    web_app = web.Application()
+    web_app.router.add_route("*", "/{tail:.*}", ga.handle)
+    runner = web.AppRunner(web_app, access_log=None, shutdown_timeout=0.2)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    ga.port = int(runner.addresses[0][1])
+    yield ga
+    ga.gate.set()
+    await runner.cleanup()
+
+
+async def key_state(admin: int, key: str) -> str | None:
+    """The key's state as the admin API shows it: in-progress, finished, or None (absent)."""
+    status, _, body = await call("GET", f"http://127.0.0.1:{admin}/idempotency/{key}")
+    return None if status == 404 else str(json.loads(body)["state"])
+
+
+async def client_gone(admin: int, n: int = 1) -> bool:
+    text = (await call("GET", f"http://127.0.0.1:{admin}/metrics"))[2].decode()
+    return f'retry_sidecar_requests_total{{route="orders",fate="client-gone"}} {n}' in text
+
+
+async def send_and_leave(port: int, path: str, key: str, wait_for: int) -> None:
+    """A raw client: sends a guarded write, reads ``wait_for`` bytes of the answer (0: none),
+    then closes its connection."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nIdempotency-Key: {key}\r\n"
+        "Content-Length: 2\r\n\r\n{}".encode()
+    )
+    await w.drain()
+    if wait_for:
+        await r.readexactly(wait_for)
+    w.close()
+
+
+async def test_a_client_leaving_mid_stream_finishes_the_key_with_its_status(
+    app, tmp_path, proc_stack
+):
+    """An answer over max_response_bytes is streamed, not held; the client reads its head and
+    part of its body and leaves. The app acted: the key is finished with its status (body not
+    kept), and the client's retry is replayed, never run again."""
+    port, admin = await start(
+        proc_stack, tmp_path, config(app, tmp_path, "{enabled: true, max_response_bytes: 1KiB}")
+    )
+    await send_and_leave(port, "/big", "big", wait_for=4096)
+    await until_async(lambda: client_gone(admin), "the client's leaving counted")
+    app.gate.set()  # the rest of the answer comes, for nobody
+    await until_async(lambda: _state_is(admin, "big", {"finished", None}), "the key settled")
+    assert await key_state(admin, "big") == "finished"
+    status, headers, body = await post(port, body=b"{}", key="big", path="/big")
+    assert status == 200 and headers["Idempotent-Replayed"] == "true"
+    assert json.loads(body)["type"].endswith(":answer-not-kept")
+    assert app.writes == 1
+
+
+async def _state_is(admin: int, key: str, states: set[str | None]) -> bool:
+    return await key_state(admin, key) in states
+
+
+async def _after(wall: float) -> bool:
+    return time.time() > wall
