@@ -93,6 +93,30 @@ async def _settle(call: Coroutine[Any, Any, bool]) -> bool | None:
         return None
 
 
+# The holder renews its lease every third of it, so two renewals may fail (a slow store) before
+# it runs out; never more often than this (a lease of a fraction of a second).
+RENEW_FLOOR = 0.05
+RENEW_TASK = "idempotency-renew"
+
+
+def renew_every(lease: float) -> float:
+    """How often a holder renews a ``lease``-second lease while its request runs. Pure."""
+    return max(RENEW_FLOOR, lease / 3)
+
+
+async def _renew_forever(store: IdempotencyStore, skey: str, token: str, lease: float) -> None:
+    """The claim's heartbeat: the lease then means how long a key stays in progress if its
+    sidecar dies, never how long a live request may take."""
+    every = renew_every(lease)
+    while True:
+        await asyncio.sleep(every)
+        try:
+            if not await store.renew(skey, token, lease):
+                return  # not ours any more (forgotten, taken over): nothing left to hold
+        except StoreError as exc:
+            log.warning("idempotency lease not renewed (next try in %.2fs): %s", every, exc)
+
+
 async def guarded(
     policy: IdempotencyPolicy,
     store: IdempotencyStore,
@@ -115,8 +139,9 @@ async def guarded(
     scope = scope_digest(request.headers, policy.scope_header)
     fp = fingerprint(request.method, request.target, request.body, scope)
     skey = stored_key(key, scope)
+    lease = policy.lease_for(request.route_timeout)
     try:
-        claim = await store.claim(skey, fp, policy.lease_for(request.route_timeout))
+        claim = await store.claim(skey, fp, lease)
     except StoreError as exc:
         log.warning("idempotency store unavailable (%s): %s", policy.on_store_error, exc)
         if policy.on_store_error == "pass":
@@ -131,7 +156,7 @@ async def guarded(
     if isinstance(claim, Finished):
         assert claim.record.answer is not None
         return GuardResult(replay(key, claim.record.answer), O.REPLAYED)
-    return await _run_claimed(policy, store, skey, claim, forward, answered=answered)
+    return await _run_claimed(policy, store, skey, claim, forward, answered=answered, lease=lease)
 
 
 async def _run_claimed(
@@ -142,10 +167,15 @@ async def _run_claimed(
     forward: Forward,
     *,
     answered: Answered | None,
+    lease: float,
 ) -> GuardResult:
+    renewing = asyncio.get_running_loop().create_task(
+        _renew_forever(store, skey, claim.token, lease), name=RENEW_TASK
+    )
     try:
         forwarded = await forward()
     except BaseException:
+        renewing.cancel()  # not awaited: no await here may stop the key being settled
         head = answered() if answered is not None else None
         if head is not None:
             # The app's answer head came: the app acted, whatever broke after (the client
@@ -156,6 +186,7 @@ async def _run_claimed(
         # app acted, and nobody will hear its answer; the client's retry must be able to run.
         await _settle(store.release(skey, claim.token))
         raise
+    renewing.cancel()
     return await _settle_by(policy, store, skey, claim, forwarded)
 
 

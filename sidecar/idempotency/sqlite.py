@@ -116,6 +116,14 @@ def release_tx(conn: sqlite3.Connection, key: str, token: str) -> bool:
     return cur.rowcount == 1
 
 
+def renew_tx(conn: sqlite3.Connection, key: str, token: str, lease: float, now: float) -> bool:
+    cur = conn.execute(
+        "UPDATE idempotency_keys SET expires_at = ? WHERE key = ? AND token = ? AND finished = 0",
+        (now + lease, key, token),
+    )
+    return cur.rowcount == 1
+
+
 def prune_tx(conn: sqlite3.Connection, limit: int, now: float, abandoned_keep: float) -> int:
     cur = conn.execute(
         "DELETE FROM idempotency_keys WHERE key IN (SELECT key FROM idempotency_keys "
@@ -233,6 +241,11 @@ class SqliteIdempotencyStore:
 
     async def release(self, key: str, token: str) -> bool:
         done: bool = await self._call(lambda conn: release_tx(conn, key, token))
+        return done
+
+    async def renew(self, key: str, token: str, lease: float) -> bool:
+        clock = self._clock
+        done: bool = await self._call(lambda conn: renew_tx(conn, key, token, lease, clock.wall()))
         return done
 
     async def get(self, key: str) -> KeyRecord | None:

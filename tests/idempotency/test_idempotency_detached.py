@@ -13,6 +13,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import datetime
 
 import pytest
 from aiohttp import web
@@ -79,6 +80,12 @@ async def key_state(admin: int, key: str) -> str | None:
     return None if status == 404 else str(json.loads(body)["state"])
 
 
+async def lease_end(admin: int, key: str) -> float:
+    """When the key's lease ends (wall clock), as the admin API shows it."""
+    body = (await call("GET", f"http://127.0.0.1:{admin}/idempotency/{key}"))[2]
+    return datetime.fromisoformat(json.loads(body)["expires_at"]).timestamp()
+
+
 async def client_gone(admin: int, n: int = 1) -> bool:
     text = (await call("GET", f"http://127.0.0.1:{admin}/metrics"))[2].decode()
     return f'retry_sidecar_requests_total{{route="orders",fate="client-gone"}} {n}' in text
@@ -115,6 +122,25 @@ async def test_a_client_leaving_mid_stream_finishes_the_key_with_its_status(
     status, headers, body = await post(port, body=b"{}", key="big", path="/big")
     assert status == 200 and headers["Idempotent-Replayed"] == "true"
     assert json.loads(body)["type"].endswith(":answer-not-kept")
+    assert app.writes == 1
+
+
+async def test_the_lease_is_renewed_while_the_first_request_runs(app, tmp_path, proc_stack):
+    """``lease: 1s`` and an app slower than that: no sidecar died, so the lease never runs out
+    under the live request; a duplicate past the first lease gets 409, not the app."""
+    port, admin = await start(
+        proc_stack, tmp_path, config(app, tmp_path, "{enabled: true, lease: 1s}")
+    )
+    first = asyncio.create_task(post(port, body=b"{}", key="slow"))
+    await app.entered.wait()
+    claimed = await lease_end(admin, "slow")
+    await until_async(lambda: _after(claimed + 0.5), "the first lease to pass")
+    assert await key_state(admin, "slow") == "in-progress"
+    assert await lease_end(admin, "slow") > claimed  # renewed
+    status, headers, _ = await post(port, body=b"{}", key="slow")
+    assert status == 409 and int(headers["Retry-After"]) >= 1
+    app.gate.set()
+    assert (await first)[0] == 201
     assert app.writes == 1
 
 

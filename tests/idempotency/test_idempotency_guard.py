@@ -25,7 +25,7 @@ from sidecar.idempotency.policy import IdempotencyPolicy
 from sidecar.idempotency.sqlite import SqliteIdempotencyStore
 from sidecar.idempotency.store import Claimed
 from sidecar.testing import FakeClock
-from tests.wait import until
+from tests.wait import until, until_async
 
 Run = Callable[[Callable[[], Awaitable[Any]]], Any]
 POLICY = IdempotencyPolicy(enabled=True, max_response_bytes=64)
@@ -361,3 +361,44 @@ def test_once_the_answer_head_came_the_key_is_finished_whatever_ends_forward(
         assert isinstance(again.answer, Answer) and again.answer.status == 200
 
     run(main)
+
+
+def test_the_holder_renews_its_lease_while_forward_runs(
+    run: Run, store: SqliteIdempotencyStore, clock: FakeClock
+) -> None:
+    """A request that runs longer than its lease (a slow body after an early head, a slow app)
+    keeps its key: the guard renews the lease every third of it, so a duplicate past the first
+    lease gets 409, never a takeover. Cancelled half-way, the heartbeat goes with the guard."""
+    policy = IdempotencyPolicy(enabled=True, lease=0.3)
+
+    async def main() -> None:
+        app = App(gate=asyncio.Event())
+        task = asyncio.ensure_future(guarded(policy, store, view(), app.forward, clock))
+        await app.entered.wait()
+        key = stored_key("k1", NO_SCOPE)
+        first = await store.get(key)
+        assert first is not None
+        clock.advance(10.0)  # far past the first lease: only a renewal keeps the key
+        await until_async(lambda: _expires_after(store, key, clock.wall()), "a renewal")
+        dup = await guarded(policy, store, view(), App().forward, clock)
+        assert dup.outcome is O.IN_PROGRESS
+        assert _renewing(), "the heartbeat runs while forward does"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await until(lambda: not _renewing(), "no heartbeat left after a cancellation half-way")
+        app.gate = None
+        done = await guarded(policy, store, view(key=b"k2"), app.forward, clock)
+        assert done.outcome is O.FIRST
+        await until(lambda: not _renewing(), "no heartbeat left after a return")
+
+    run(main)
+
+
+async def _expires_after(store: SqliteIdempotencyStore, key: str, wall: float) -> bool:
+    record = await store.get(key)
+    return record is not None and record.expires_at > wall
+
+
+def _renewing() -> bool:
+    return any(t.get_name() == guard_module.RENEW_TASK for t in asyncio.all_tasks())

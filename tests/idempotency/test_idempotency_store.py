@@ -117,6 +117,31 @@ def test_release_and_complete_are_compare_and_set_on_the_token(
     run(main)
 
 
+def test_renew_moves_the_lease_of_its_holder_only(
+    run: Run, store: SqliteIdempotencyStore, clock: FakeClock
+) -> None:
+    """The holder's heartbeat: a compare-and-set on the token, in progress only."""
+
+    async def main() -> None:
+        claim = await store.claim("k", "fp", 5.0)
+        assert isinstance(claim, Claimed)
+        clock.advance(4.0)
+        assert await store.renew("k", claim.token, 5.0)
+        record = await store.get("k")
+        assert record is not None and record.expires_at == clock.wall() + 5.0
+        clock.advance(4.0)  # past the first lease, within the renewed one
+        busy = await store.claim("k", "fp", 5.0)
+        assert isinstance(busy, Busy) and busy.expiry == clock.wall() + 1.0
+        assert not await store.renew("k", "not-the-token", 60.0)
+        assert not await store.renew("absent", claim.token, 60.0)
+        assert await store.complete("k", claim.token, ANSWER, 60.0)
+        assert not await store.renew("k", claim.token, 5.0)  # finished: not a lease any more
+        record = await store.get("k")
+        assert record is not None and record.finished and record.expires_at == clock.wall() + 60
+
+    run(main)
+
+
 def test_a_dead_holders_lease_is_taken_over_and_its_late_answer_refused(
     run: Run, store: SqliteIdempotencyStore, clock: FakeClock
 ) -> None:
