@@ -3,11 +3,15 @@
 ``guarded`` judges the request (method, key), claims its key in the store, calls ``forward``
 (which sends the request upstream, through the route's retries, and gives back the app's answer
 with "the route would retry this") at most once, and keeps or releases the key. It owns the
-claim: on every exit -- a return, an exception from ``forward``, a cancellation half-way (the
-client gone), a timeout around it -- the key is completed or released, and that store call
-runs to its end even when the caller is cancelled meanwhile. Once the app's answer head came
-(``answered``, filled by the forward side) the app has acted: whatever ends ``forward`` after
-that, the key is settled by that answer (its status kept, its body not), never given back.
+claim, and renews its lease while ``forward`` runs. The key is settled by the app's answer: kept,
+or released when the route would retry it (a status in ``retry_on``, a connect failure, a reset,
+a timeout, an answer the sidecar made itself), and that store call runs to its
+end even when the caller is cancelled meanwhile. Once the app's answer head came (``answered``,
+filled by the forward side) the app has acted: whatever ends ``forward`` after that, the key is
+settled by that answer (its status kept, its body not). When ``forward`` ends without any answer
+(an exception, a cancellation half-way: a stop whose drain ran out) the request may have reached
+the app, so the key is left in progress until its lease, as a killed sidecar leaves it. (The
+handler runs the guard in a task a client that leaves does not cancel: ``proxy/detached.py``.)
 
 What the handler does with the result: an ``Answer`` is the sidecar's own (a problem, a replay
 with ``Idempotent-Replayed: true``): sent as is, the app never called; a ``Forwarded`` is the
@@ -182,9 +186,12 @@ async def _run_claimed(
             # gone mid-body, a cancellation): its key is settled by that answer, body not kept.
             await _settle_by(policy, store, skey, claim, head)
             raise
-        # Failed, cancelled (the client gone) or timed out half-way: nobody knows whether the
-        # app acted, and nobody will hear its answer; the client's retry must be able to run.
-        await _settle(store.release(skey, claim.token))
+        # Failed or cancelled half-way (a stop whose drain ran out, a bound): the request may
+        # have reached the app, and nobody will hear its answer. The key is left in progress
+        # until its lease, as a killed sidecar leaves it: a duplicate gets 409 meanwhile. (A
+        # failure known to be before any byte reached the app -- a connect failure, a refusal
+        # by the sidecar -- is an answer ``forward`` returns, and releases the key.)
+        log.warning("idempotency key %r ended without an answer: in progress until its lease", skey)
         raise
     renewing.cancel()
     return await _settle_by(policy, store, skey, claim, forwarded)

@@ -1,7 +1,9 @@
 """A write on a route that guards it (``idempotency``): the sequence run through the
 idempotency guard (``sidecar/idempotency/guard.py``).
 
-The guard reads the key, claims it and calls ``forward`` at most once; ``forward`` runs the
+The guard reads the key, claims it and calls ``forward`` at most once, in a task of its own that
+runs on when the client leaves (``detached.DetachedWrites``), so the key is settled by the app's
+answer rather than given back; ``forward`` runs the
 route's sequence (``run.run_sequence``, retries and DLQ hand-off included) with the answer held
 (``held.HeldAnswer``) rather than sent, and says whether the route would retry it. Once the key is
 settled (kept or released) the held answer goes to the client; the sidecar's own answers
@@ -14,11 +16,13 @@ problem and is not sent.
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from sidecar.core import Fate
 from sidecar.idempotency.answer import Answer, Forwarded
-from sidecar.idempotency.guard import RequestView, body_too_large, guarded
+from sidecar.idempotency.guard import GuardResult, RequestView, body_too_large, guarded
 from sidecar.idempotency.store import NOT_OPEN
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.held import HeldAnswer
@@ -124,16 +128,26 @@ async def run_guarded(ctx: RequestContext, intake: Intake) -> web.StreamResponse
         sent.append(resp)
         return forwarded(ctx, held, resp)
 
-    result = await guarded(
-        route.idempotency,
-        deps.idempotency or NOT_OPEN,
-        view,
-        forward,
-        deps.clock,
-        answered=lambda: head_of(ctx, held),
-    )
-    if result.outcome is not None:
-        deps.idempotency_result(route.name, result.outcome.value)
+    async def exchange() -> GuardResult:
+        got = await guarded(
+            route.idempotency,
+            deps.idempotency or NOT_OPEN,
+            view,
+            forward,
+            deps.clock,
+            answered=lambda: head_of(ctx, held),
+        )
+        if got.outcome is not None:
+            deps.idempotency_result(route.name, got.outcome.value)
+        return got
+
+    # Its own task: a client that leaves cancels this handler, not the write (detached.py).
+    work = deps.detached.start(exchange(), f"guarded-write {route.name}")
+    try:
+        result = await asyncio.shield(work)
+    except asyncio.CancelledError:
+        deps.detached.bound(work, ctx.start + route.timeout - deps.clock.monotonic())
+        raise
     answer = result.answer
     if isinstance(answer, Answer):  # a problem or a replay: the app was not called
         replayed = any(k == b"Idempotent-Replayed" for k, _ in answer.headers)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -25,7 +27,7 @@ from tests.idempotency.test_idempotency_process import (
     start,
 )
 from tests.idempotency.test_idempotency_process import proc_stack as proc_stack
-from tests.wait import until_async
+from tests.wait import until, until_async
 
 pytestmark = pytest.mark.slow
 
@@ -142,6 +144,80 @@ async def test_the_lease_is_renewed_while_the_first_request_runs(app, tmp_path, 
     app.gate.set()
     assert (await first)[0] == 201
     assert app.writes == 1
+
+
+async def test_a_client_that_leaves_before_the_answer_does_not_abandon_its_write(
+    app, tmp_path, proc_stack
+):
+    """The client sends its write and leaves while the app runs it (an impatient client). The
+    exchange runs on: while it runs its retry gets 409; once the app answered, the retry gets
+    that answer replayed. The app runs the write once."""
+    port, admin = await start(proc_stack, tmp_path, config(app, tmp_path))
+    _, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(
+        b"POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: gone\r\nContent-Length: 2\r\n\r\n{}"
+    )
+    await w.drain()
+    await app.entered.wait()
+    w.close()  # the client leaves while the app runs the write
+    await until_async(lambda: client_gone(admin), "the client's leaving counted")
+    assert await key_state(admin, "gone") == "in-progress"
+    status, headers, _ = await post(port, body=b"{}", key="gone")
+    assert status == 409 and int(headers["Retry-After"]) >= 1
+    app.gate.set()
+    await until_async(lambda: _state_is(admin, "gone", {"finished"}), "the key finished")
+    status, headers, body = await post(port, body=b"{}", key="gone")
+    assert (status, headers["Idempotent-Replayed"]) == (201, "true")
+    assert json.loads(body) == {"write": 1} and app.writes == 1
+    assert await client_gone(admin)  # counted once, though its write ended after
+
+
+async def test_a_stop_whose_drain_runs_out_leaves_the_key_in_progress(app, tmp_path, proc_stack):
+    """SIGTERM with a write in flight and a drain shorter than the app: the write is cut, but
+    it reached the app, so its key is not given back: after the restart its retry gets 409
+    (until the lease passes), exactly as after a SIGKILL, and the app runs the write once."""
+    body = config(app, tmp_path, extra="drain_timeout: 200ms\n")
+    port, _ = await start(proc_stack, tmp_path, body)
+    first = asyncio.create_task(post(port, body=b"{}", key="term"))
+    await app.entered.wait()
+    stopping = proc_stack.pop()
+    assert await asyncio.to_thread(stopping.terminate) == 0  # SIGTERM, until it exited
+    with pytest.raises(aiohttp.ClientError):
+        await first
+    app.gate.set()  # the app finished the write; its answer had nobody to reach
+    port, admin = await start(proc_stack, tmp_path, body)
+    assert await key_state(admin, "term") == "in-progress"
+    status, headers, _ = await post(port, body=b"{}", key="term")
+    assert status == 409 and int(headers["Retry-After"]) >= 1
+    assert app.writes == 1
+
+
+async def test_a_stop_lets_a_write_whose_client_left_end_within_the_drain(
+    app, tmp_path, proc_stack
+):
+    """A write whose client left counts in the drain like any request in flight: SIGTERM comes
+    while it runs, the app answers within the drain, and its key is finished with that answer:
+    after the restart the client's retry is replayed."""
+    body = config(app, tmp_path, extra="drain_timeout: 20s\n")
+    port, admin = await start(proc_stack, tmp_path, body)
+    _, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(
+        b"POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: left\r\nContent-Length: 2\r\n\r\n{}"
+    )
+    await w.drain()
+    await app.entered.wait()
+    w.close()
+    await until_async(lambda: client_gone(admin), "the client's leaving counted")
+    stopping = proc_stack.pop()
+    assert stopping.proc is not None
+    stopping.proc.send_signal(signal.SIGTERM)
+    await until(lambda: "draining" in stopping.stderr(), "the drain to start")
+    app.gate.set()
+    assert await asyncio.to_thread(stopping.proc.wait, 30) == 0
+    port, _ = await start(proc_stack, tmp_path, body)
+    status, headers, answer = await post(port, body=b"{}", key="left")
+    assert (status, headers["Idempotent-Replayed"]) == (201, "true")
+    assert json.loads(answer) == {"write": 1} and app.writes == 1
 
 
 async def _state_is(admin: int, key: str, states: set[str | None]) -> bool:

@@ -220,9 +220,13 @@ def test_scope_header_keeps_clients_apart(
     run(main)
 
 
-def test_a_cancellation_half_way_releases_the_key(
+def test_a_cancellation_half_way_leaves_the_key_in_progress_until_its_lease(
     run: Run, store: SqliteIdempotencyStore, clock: FakeClock
 ) -> None:
+    """Cancelled with no answer yet (a stop whose drain ran out): the request may have reached
+    the app, so the key is not given back: in progress until its lease, as a killed sidecar
+    leaves it; a duplicate meanwhile gets 409, and one after the lease is a takeover."""
+
     async def main() -> None:
         gate = asyncio.Event()
         app = App(gate=gate)
@@ -231,28 +235,34 @@ def test_a_cancellation_half_way_releases_the_key(
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert await store.get(stored_key("k1", NO_SCOPE)) is None
+        record = await store.get(stored_key("k1", NO_SCOPE))
+        assert record is not None and not record.finished
         gate.set()
-        assert (await guarded(POLICY, store, view(), app.forward, clock)).outcome is O.FIRST
+        assert (await guarded(POLICY, store, view(), app.forward, clock)).outcome is O.IN_PROGRESS
+        clock.advance(POLICY.lease_for(60.0))
+        again = await guarded(POLICY, store, view(), app.forward, clock)
+        assert again.outcome is O.LEASE_EXPIRED and app.calls == 2
 
     run(main)
 
 
-def test_a_timeout_or_an_exception_around_forward_releases_the_key(
+def test_a_timeout_or_an_exception_around_forward_leaves_the_key_in_progress(
     run: Run, store: SqliteIdempotencyStore, clock: FakeClock
 ) -> None:
     async def main() -> None:
         app = App(gate=asyncio.Event())  # never set: the app never answers
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(guarded(POLICY, store, view(), app.forward, clock), 0.05)
-        assert await store.get(stored_key("k1", NO_SCOPE)) is None
+        record = await store.get(stored_key("k1", NO_SCOPE))
+        assert record is not None and not record.finished
 
         async def broken() -> Forwarded:
             raise RuntimeError("boom")
 
         with pytest.raises(RuntimeError):
-            await guarded(POLICY, store, view(), broken, clock)
-        assert await store.get(stored_key("k1", NO_SCOPE)) is None
+            await guarded(POLICY, store, view(key=b"k2"), broken, clock)
+        record = await store.get(stored_key("k2", NO_SCOPE))
+        assert record is not None and not record.finished
 
     run(main)
 
