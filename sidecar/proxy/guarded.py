@@ -104,7 +104,14 @@ def _app_answer(
     captured = held.captured
     stored = captured is not None and captured.record_id is not None
     retryable = held.made_by_sidecar or status in ctx.route.retry.retry_on.statuses
-    return Forwarded(status, tuple(held.headers), body, retryable and not stored)
+    # The DLQ's headers are the sidecar's own end-to-end ones: part of the answer the client
+    # got, so kept with it (a duplicate is told the write was stored, and under which id).
+    headers = tuple(held.headers)
+    if captured is not None:
+        headers += ((b"x-retry-dlq", captured.header.encode("latin-1")),)
+        if captured.record_id is not None:
+            headers += ((b"x-retry-dlq-id", captured.record_id.encode("latin-1")),)
+    return Forwarded(status, headers, body, retryable and not stored)
 
 
 async def run_guarded(ctx: RequestContext, intake: Intake) -> web.StreamResponse:

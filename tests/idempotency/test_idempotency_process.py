@@ -438,3 +438,24 @@ async def test_a_chain_of_two_sidecars_gives_effectively_once_end_to_end(app, tm
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_duplicate_of_a_write_the_dlq_stored_gets_the_stored_marker(
+    app, tmp_path, proc_stack
+):
+    """``respond: passthrough``: the client got the app's 503 with ``x-retry-dlq: stored`` and
+    its record id; a duplicate gets that same answer replayed, the DLQ's headers included."""
+    app.status = 503
+    extra = (
+        "    dlq: {enabled: true, respond: passthrough}\n"
+        "    retry: {attempts: 1}\n"
+        f'dlq: {{path: "{tmp_path}/dlq.sqlite3"}}\n'
+    )
+    port, _ = await start(proc_stack, tmp_path, config(app, tmp_path, extra=extra))
+    status, first, _ = await post(port, key="stored")
+    assert status == 503 and first["x-retry-dlq"] == "stored", first
+    status, again, _ = await post(port, key="stored")
+    assert status == 503 and again["Idempotent-Replayed"] == "true"
+    assert again["x-retry-dlq"] == "stored"
+    assert again["x-retry-dlq-id"] == first["x-retry-dlq-id"]
+    assert len(app.writes) == 1
