@@ -459,3 +459,28 @@ async def test_a_duplicate_of_a_write_the_dlq_stored_gets_the_stored_marker(
     assert again["x-retry-dlq"] == "stored"
     assert again["x-retry-dlq-id"] == first["x-retry-dlq-id"]
     assert len(app.writes) == 1
+
+
+async def test_scope_header_authorization_ignores_how_the_scheme_is_spelled(
+    app, tmp_path, proc_stack
+):
+    """``scope_header: Authorization``: a retry whose library spells the auth-scheme otherwise
+    (``bearer``, two spaces) is the same client: replayed, not run again."""
+    port, _ = await start(
+        proc_stack, tmp_path, config(app, tmp_path, "{enabled: true, scope_header: Authorization}")
+    )
+    url = f"http://127.0.0.1:{port}/orders"
+    first = await call(
+        "POST", url, data=b"{}", headers={"Idempotency-Key": "a", "Authorization": "Bearer tok"}
+    )
+    assert first[0] == 201
+    for spelled in ("bearer tok", "BEARER  tok"):
+        again = await call(
+            "POST", url, data=b"{}", headers={"Idempotency-Key": "a", "Authorization": spelled}
+        )
+        assert (again[0], again[1].get("Idempotent-Replayed")) == (201, "true"), spelled
+    other = await call(
+        "POST", url, data=b"{}", headers={"Idempotency-Key": "a", "Authorization": "Bearer TOK"}
+    )
+    assert other[0] == 201 and "Idempotent-Replayed" not in other[1]  # another client
+    assert len(app.writes) == 2
