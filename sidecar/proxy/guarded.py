@@ -17,9 +17,11 @@ problem and is not sent.
 from __future__ import annotations
 
 import asyncio
+from email.utils import formatdate
 
 from aiohttp import web
 
+from sidecar import outcomes
 from sidecar.core import Fate
 from sidecar.idempotency.answer import Answer, Forwarded
 from sidecar.idempotency.guard import GuardResult, RequestView, body_too_large, guarded
@@ -27,7 +29,7 @@ from sidecar.idempotency.store import NOT_OPEN
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.held import HeldAnswer
 from sidecar.proxy.intake import Intake
-from sidecar.proxy.respond import ProxyResponse
+from sidecar.proxy.respond import ProxyResponse, proxy_status
 from sidecar.proxy.run import run_sequence
 
 # The fate label (metrics, logs) of a request the guard answered itself: a replay is the
@@ -46,17 +48,34 @@ def too_large(ctx: RequestContext) -> web.StreamResponse:
     made = body_too_large(
         key.decode("latin-1") if key is not None else None, ctx.route.retry.max_body_bytes
     )
-    resp = _made(made)
+    resp = _made(ctx, made, replayed=False)
     resp.force_close()
     ctx.deps.malformed("body-too-large")
     return _send(ctx, resp, made.body, REFUSED_FATE)
 
 
-def _made(answer: Answer) -> ProxyResponse:
-    """The sidecar's own answer (a kept one's headers are end-to-end only: framed anew)."""
-    length = len(answer.body)
-    framing = [(b"Content-Length", b"%d" % length)]
-    return ProxyResponse(answer.status, [*answer.headers, *framing], [], length)
+def _made(ctx: RequestContext, answer: Answer, *, replayed: bool) -> ProxyResponse:
+    """The sidecar's own answer, a problem or a replay (a kept answer's headers are end-to-end
+    only: framed anew; a 1xx, 204 or 304 carries no Content-Length, RFC 9110 8.6), with a
+    ``Date`` and ``Proxy-Status`` as every answer the sidecar makes itself: a replay names the
+    sidecar (no error), a problem the refusal's RFC 9209 error type (a store that cannot answer
+    is the sidecar's own fault)."""
+    status = answer.status
+    bodiless = status < 200 or status in (204, 304)
+    length = None if bodiless else len(answer.body)
+    framing = [] if length is None else [(b"Content-Length", b"%d" % length)]
+    error = None
+    if not replayed:
+        error = (
+            outcomes.INTERNAL.proxy_status
+            if status == 503
+            else outcomes.REFUSALS.get(status, outcomes.BAD_REQUEST.proxy_status)
+        )
+    own = [
+        (b"Date", formatdate(ctx.deps.clock.wall(), usegmt=True).encode("ascii")),
+        (b"Proxy-Status", proxy_status(error).encode("ascii")),
+    ]
+    return ProxyResponse(status, [*answer.headers, *framing], own, length)
 
 
 def _send(
@@ -158,7 +177,8 @@ async def run_guarded(ctx: RequestContext, intake: Intake) -> web.StreamResponse
     answer = result.answer
     if isinstance(answer, Answer):  # a problem or a replay: the app was not called
         replayed = any(k == b"Idempotent-Replayed" for k, _ in answer.headers)
-        return _send(ctx, _made(answer), answer.body, REPLAYED_FATE if replayed else REFUSED_FATE)
+        made = _made(ctx, answer, replayed=replayed)
+        return _send(ctx, made, answer.body, REPLAYED_FATE if replayed else REFUSED_FATE)
     if held.resp is not None:  # the app's answer, held until its key was settled
         return _send(ctx, held.resp, held.body, held.fate, held.attempts)
     return sent[0]  # relayed already, or the sidecar's own answer (sent by aiohttp)

@@ -484,3 +484,38 @@ async def test_scope_header_authorization_ignores_how_the_scheme_is_spelled(
     )
     assert other[0] == 201 and "Idempotent-Replayed" not in other[1]  # another client
     assert len(app.writes) == 2
+
+
+async def test_the_sidecars_own_answers_carry_proxy_status_and_date(app, tmp_path, proc_stack):
+    """Every answer the sidecar makes itself carries Proxy-Status (RFC 9209) and Date (RFC 9110
+    6.6.1): the problems name their error type, a replay names the sidecar; a replayed 204
+    carries no Content-Length (RFC 9110 8.6), as the original had none."""
+    port, _ = await start(proc_stack, tmp_path, config(app, tmp_path))
+    await post(port)
+    app.gate = asyncio.Event()
+    running = asyncio.create_task(post(port, key="busy"))
+    await app.entered.wait()
+    answers = {
+        "invalid": await post(port, key="x" * 256),
+        "in-progress": await post(port, key="busy"),
+        "mismatch": await post(port, body=b"other"),
+    }
+    app.gate.set()
+    await running
+    for kind, (status, headers, _) in answers.items():
+        assert status in (400, 409, 422), kind
+        assert headers["Proxy-Status"] == "retry-sidecar; error=http_request_error", kind
+        assert "GMT" in headers["Date"], kind
+    status, headers, _ = await post(port)
+    assert headers["Idempotent-Replayed"] == "true"
+    assert headers["Proxy-Status"] == "retry-sidecar" and "GMT" in headers["Date"]
+    app.status = 204
+    request = (
+        b"POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: empty\r\n"
+        b"Connection: close\r\nContent-Length: 2\r\n\r\n{}"
+    )
+    first = await raw_request(port, request)
+    assert first.startswith(b"HTTP/1.1 204") and b"content-length" not in first.lower()
+    again = await raw_request(port, request)
+    assert again.startswith(b"HTTP/1.1 204") and b"Idempotent-Replayed: true" in again
+    assert b"content-length" not in again.lower(), again
