@@ -452,6 +452,9 @@ class Sidecar:
             # outcome is recorded. Cancelled half-way, a replay whose answer came but was not
             # recorded would be sent again after the restart.
             await asyncio.wait({redrive}, timeout=max(0.0, drain_ends - loop.time()))
+        # Guarded writes whose client left run on like requests in flight, within the drain;
+        # cancelled after it, their keys stay in progress until their lease (proxy/detached.py).
+        await self.deps.detached.stop(drain_ends - loop.time())
         for task in list(self._tasks.values()):
             task.cancel()
         if self._tasks:

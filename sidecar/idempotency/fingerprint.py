@@ -23,13 +23,31 @@ def _digest(*parts: bytes) -> str:
     return h.hexdigest()
 
 
+# Credentials headers: ``auth-scheme 1*SP ( token68 / auth-param list )``, the scheme
+# case-insensitive (RFC 9110 11.1, 11.4, 11.6.2, 11.7.2).
+CREDENTIALS_HEADERS = frozenset({b"authorization", b"proxy-authorization"})
+
+
+def credentials(value: bytes) -> bytes:
+    """A credentials value as it identifies its client: the scheme lowercased and one space
+    before the rest (however many spaces or tabs were sent), the rest as sent. Pure."""
+    parts = value.strip(b" \t").split(None, 1)
+    if not parts:
+        return b""
+    scheme = parts[0].lower()
+    return scheme if len(parts) == 1 else scheme + b" " + parts[1].strip(b" \t")
+
+
 def scope_digest(headers: Iterable[tuple[bytes, bytes]], scope_header: str | None) -> str:
     """NO_SCOPE when the route scopes nothing; else a digest of every value of the header, in
-    order (absent is not the same as empty)."""
+    order (absent is not the same as empty): as sent, but for ``Authorization`` and
+    ``Proxy-Authorization``, whose scheme is case-insensitive (``credentials``)."""
     if scope_header is None:
         return NO_SCOPE
     name = scope_header.lower().encode("latin-1")
     values = [v for k, v in headers if k.lower() == name]
+    if name in CREDENTIALS_HEADERS:
+        values = [credentials(v) for v in values]
     return _digest(b"scope", str(len(values)).encode(), *values)
 
 

@@ -3,9 +3,15 @@
 ``guarded`` judges the request (method, key), claims its key in the store, calls ``forward``
 (which sends the request upstream, through the route's retries, and gives back the app's answer
 with "the route would retry this") at most once, and keeps or releases the key. It owns the
-claim: on every exit -- a return, an exception from ``forward``, a cancellation half-way (the
-client gone), a timeout around it -- the key is completed or released, and that store call
-runs to its end even when the caller is cancelled meanwhile.
+claim, and renews its lease while ``forward`` runs. The key is settled by the app's answer: kept,
+or released when the route would retry it (a status in ``retry_on``, a connect failure, a reset,
+a timeout, an answer the sidecar made itself), and that store call runs to its
+end even when the caller is cancelled meanwhile. Once the app's answer head came (``answered``,
+filled by the forward side) the app has acted: whatever ends ``forward`` after that, the key is
+settled by that answer (its status kept, its body not). When ``forward`` ends without any answer
+(an exception, a cancellation half-way: a stop whose drain ran out) the request may have reached
+the app, so the key is left in progress until its lease, as a killed sidecar leaves it. (The
+handler runs the guard in a task a client that leaves does not cancel: ``proxy/detached.py``.)
 
 What the handler does with the result: an ``Answer`` is the sidecar's own (a problem, a replay
 with ``Idempotent-Replayed: true``): sent as is, the app never called; a ``Forwarded`` is the
@@ -46,6 +52,9 @@ log = logging.getLogger("sidecar.idempotency")
 body_too_large = problem.body_too_large
 
 Forward = Callable[[], Awaitable[Forwarded]]
+# The app's answer head, once it came (its body None: not held), else None: filled by the
+# forward side when the head arrives, read by the guard when ``forward`` ends without a result.
+Answered = Callable[[], Forwarded | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,12 +97,38 @@ async def _settle(call: Coroutine[Any, Any, bool]) -> bool | None:
         return None
 
 
+# The holder renews its lease every third of it, so two renewals may fail (a slow store) before
+# it runs out; never more often than this (a lease of a fraction of a second).
+RENEW_FLOOR = 0.05
+RENEW_TASK = "idempotency-renew"
+
+
+def renew_every(lease: float) -> float:
+    """How often a holder renews a ``lease``-second lease while its request runs. Pure."""
+    return max(RENEW_FLOOR, lease / 3)
+
+
+async def _renew_forever(store: IdempotencyStore, skey: str, token: str, lease: float) -> None:
+    """The claim's heartbeat: the lease then means how long a key stays in progress if its
+    sidecar dies, never how long a live request may take."""
+    every = renew_every(lease)
+    while True:
+        await asyncio.sleep(every)
+        try:
+            if not await store.renew(skey, token, lease):
+                return  # not ours any more (forgotten, taken over): nothing left to hold
+        except StoreError as exc:
+            log.warning("idempotency lease not renewed (next try in %.2fs): %s", every, exc)
+
+
 async def guarded(
     policy: IdempotencyPolicy,
     store: IdempotencyStore,
     request: RequestView,
     forward: Forward,
     clock: Clock,
+    *,
+    answered: Answered | None = None,
 ) -> GuardResult:
     if not policy.guards(request.method):
         return GuardResult(await forward(), None)
@@ -108,8 +143,9 @@ async def guarded(
     scope = scope_digest(request.headers, policy.scope_header)
     fp = fingerprint(request.method, request.target, request.body, scope)
     skey = stored_key(key, scope)
+    lease = policy.lease_for(request.route_timeout)
     try:
-        claim = await store.claim(skey, fp, policy.lease_for(request.route_timeout))
+        claim = await store.claim(skey, fp, lease)
     except StoreError as exc:
         log.warning("idempotency store unavailable (%s): %s", policy.on_store_error, exc)
         if policy.on_store_error == "pass":
@@ -124,19 +160,51 @@ async def guarded(
     if isinstance(claim, Finished):
         assert claim.record.answer is not None
         return GuardResult(replay(key, claim.record.answer), O.REPLAYED)
-    return await _run_claimed(policy, store, skey, claim, forward)
+    return await _run_claimed(policy, store, skey, claim, forward, answered=answered, lease=lease)
 
 
 async def _run_claimed(
-    policy: IdempotencyPolicy, store: IdempotencyStore, skey: str, claim: Claimed, forward: Forward
+    policy: IdempotencyPolicy,
+    store: IdempotencyStore,
+    skey: str,
+    claim: Claimed,
+    forward: Forward,
+    *,
+    answered: Answered | None,
+    lease: float,
 ) -> GuardResult:
+    renewing = asyncio.get_running_loop().create_task(
+        _renew_forever(store, skey, claim.token, lease), name=RENEW_TASK
+    )
     try:
         forwarded = await forward()
     except BaseException:
-        # Failed, cancelled (the client gone) or timed out half-way: nobody knows whether the
-        # app acted, and nobody will hear its answer; the client's retry must be able to run.
-        await _settle(store.release(skey, claim.token))
+        renewing.cancel()  # not awaited: no await here may stop the key being settled
+        head = answered() if answered is not None else None
+        if head is not None:
+            # The app's answer head came: the app acted, whatever broke after (the client
+            # gone mid-body, a cancellation): its key is settled by that answer, body not kept.
+            await _settle_by(policy, store, skey, claim, head)
+            raise
+        # Failed or cancelled half-way (a stop whose drain ran out, a bound): the request may
+        # have reached the app, and nobody will hear its answer. The key is left in progress
+        # until its lease, as a killed sidecar leaves it: a duplicate gets 409 meanwhile. (A
+        # failure known to be before any byte reached the app -- a connect failure, a refusal
+        # by the sidecar -- is an answer ``forward`` returns, and releases the key.)
+        log.warning("idempotency key %r ended without an answer: in progress until its lease", skey)
         raise
+    renewing.cancel()
+    return await _settle_by(policy, store, skey, claim, forwarded)
+
+
+async def _settle_by(
+    policy: IdempotencyPolicy,
+    store: IdempotencyStore,
+    skey: str,
+    claim: Claimed,
+    forwarded: Forwarded,
+) -> GuardResult:
+    """Keep or release the key by the app's answer."""
     disposition = dispose(forwarded, policy.max_response_bytes)
     if disposition is Disposition.RELEASE:
         settled = await _settle(store.release(skey, claim.token))

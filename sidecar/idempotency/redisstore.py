@@ -74,6 +74,16 @@ if redis.call('HGET', KEYS[1], 'token') == ARGV[1]
 end
 return 0
 """
+# KEYS[1]: the key; ARGV: token, expires_at, px (the lease's end plus the abandoned keep)
+_RENEW = """
+if redis.call('HGET', KEYS[1], 'token') == ARGV[1]
+   and redis.call('HGET', KEYS[1], 'finished') == '0' then
+  redis.call('HSET', KEYS[1], 'expires_at', ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  return 1
+end
+return 0
+"""
 
 
 def _ms(seconds: float) -> int:
@@ -136,6 +146,7 @@ class RedisIdempotencyStore:
         self._prefix = link.prefix + "idem:"
         self._complete = link.client.register_script(_COMPLETE)
         self._release = link.client.register_script(_RELEASE)
+        self._renew = link.client.register_script(_RENEW)
         self._undos: set[asyncio.Task[None]] = set()
 
     @property
@@ -231,6 +242,12 @@ class RedisIdempotencyStore:
     async def release(self, key: str, token: str) -> bool:
         name = self._name(key)
         done = await self._call(lambda c: self._release(keys=[name], args=[token], client=c))
+        return bool(done)
+
+    async def renew(self, key: str, token: str, lease: float) -> bool:
+        name = self._name(key)
+        args = [token, repr(self._clock.wall() + lease), str(_ms(lease + self._abandoned_keep))]
+        done = await self._call(lambda c: self._renew(keys=[name], args=args, client=c))
         return bool(done)
 
     async def get(self, key: str) -> KeyRecord | None:

@@ -129,6 +129,14 @@ def release_tx(conn: sqlite3.Connection, key: str, token: str) -> bool:
     return cur.rowcount == 1
 
 
+def renew_tx(conn: sqlite3.Connection, key: str, token: str, lease: float, now: float) -> bool:
+    cur = conn.execute(
+        "UPDATE idempotency_keys SET expires_at = ? WHERE key = ? AND token = ? AND finished = 0",
+        (now + lease, key, token),
+    )
+    return cur.rowcount == 1
+
+
 def prune_tx(conn: sqlite3.Connection, limit: int, now: float, abandoned_keep: float) -> int:
     cur = conn.execute(
         "DELETE FROM idempotency_keys WHERE key IN (SELECT key FROM idempotency_keys "
@@ -303,6 +311,10 @@ class SqliteIdempotencyStore:
 
     async def release(self, key: str, token: str) -> bool:
         return self._write(lambda conn: release_tx(conn, key, token))
+
+    async def renew(self, key: str, token: str, lease: float) -> bool:
+        now = self._clock.wall()
+        return self._write(lambda conn: renew_tx(conn, key, token, lease, now))
 
     async def get(self, key: str) -> KeyRecord | None:
         try:

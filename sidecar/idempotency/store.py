@@ -3,8 +3,9 @@
 A key is in one of three states: absent, in progress (claimed, with a lease and a claim token)
 or finished (with its fingerprint and kept answer, until its ttl passes). ``claim`` reads and
 writes the key in one atomic step, deciding with ``decision.decide``; only the holder of the
-claim token may ``complete`` or ``release`` it (a compare-and-set), so a holder whose lease was
-taken over cannot overwrite the new holder's key.
+claim token may ``complete``, ``release`` or ``renew`` it (a compare-and-set), so a holder whose
+lease was taken over cannot overwrite the new holder's key. The holder renews its lease while its
+request runs, so the lease only runs out when its holder is gone (a killed sidecar).
 
 Every call is bounded: a store that cannot answer in time raises ``StoreError`` and the caller
 applies the route's ``on_store_error``. A claim that failed leaves no key (SQLite: its
@@ -22,6 +23,9 @@ a hash or a packed value: state, fingerprint, token, expiry, answer):
 - ``complete``: Lua compare-and-set: if the stored token equals ours, ``SET key <finished, fp,
   answer> PX <ttl>``, else nothing (returns whether it wrote).
 - ``release``: Lua compare-and-delete on the token (``if token == ARGV[1] then DEL``).
+- ``renew``: Lua compare-and-set on the token, in progress only: if the stored token equals
+  ours and the key is held, ``PEXPIRE key <lease + abandoned keep>`` and write the new lease end
+  into the value; else nothing (returns whether it renewed).
 - ``get`` / ``forget``: ``GET`` / ``DEL``; ``prune``: nothing to do (``PX`` expires keys).
 - time: the server's clock (``TIME`` inside the script), so replicas need not agree on theirs.
 """
@@ -86,6 +90,12 @@ class IdempotencyStore(Protocol):
         """True when the key was ours and is now absent."""
         ...
 
+    async def renew(self, key: str, token: str, lease: float) -> bool:
+        """The holder's heartbeat: its lease ends ``lease`` from now. True when the key was ours
+        and still in progress; False when it was not ours any more (taken over, forgotten,
+        finished)."""
+        ...
+
     async def get(self, key: str) -> KeyRecord | None: ...
 
     async def forget(self, key: str) -> bool: ...
@@ -106,6 +116,9 @@ class StoreNotOpen:
         raise StoreError("the idempotency store is not open")
 
     async def release(self, key: str, token: str) -> bool:
+        raise StoreError("the idempotency store is not open")
+
+    async def renew(self, key: str, token: str, lease: float) -> bool:
         raise StoreError("the idempotency store is not open")
 
     async def get(self, key: str) -> KeyRecord | None:

@@ -39,6 +39,7 @@ class RequestContext:
         "config",
         "deps",
         "edge",
+        "ended",
         "expects_continue",
         "headers",
         "held",
@@ -88,6 +89,9 @@ class RequestContext:
         # A guarded write's answer, held until its key is settled (proxy/guarded.py); None:
         # relayed at once, as every other answer.
         self.held: HeldAnswer | None = None
+        # Counted once: a guarded write whose client left runs on and may end after its
+        # handler counted it client-gone (proxy/detached.py).
+        self.ended = False
 
     @property
     def method(self) -> str:
@@ -102,6 +106,9 @@ class RequestContext:
         proxy_error_code: str | None = None,
     ) -> web.StreamResponse:
         """The request ends with ``resp``: its span ended, ``SequenceEnded`` to the sinks."""
+        if self.ended:
+            return resp
+        self.ended = True
         deps = self.deps
         if self.span is not None:
             deps.tracing.end_server(self.span, resp.status, str(fate), attempts)
@@ -120,6 +127,9 @@ class RequestContext:
 
     def gone(self) -> None:
         """The client left before its answer: nobody to answer, nothing to blame upstream for."""
+        if self.ended:
+            return
+        self.ended = True
         deps = self.deps
         if self.span is not None:
             deps.tracing.end_server(self.span, CLIENT_CLOSED, Fate.CLIENT_GONE.value, 0)

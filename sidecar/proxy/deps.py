@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from sidecar.config.store import ConfigStore
 from sidecar.engine.deps import EngineDeps
 from sidecar.idempotency.store import IdempotencyStore
+from sidecar.proxy.detached import DetachedWrites
 from sidecar.proxy.tunnel import Tunnels
 
 if TYPE_CHECKING:
@@ -27,3 +28,5 @@ class ProxyDeps(EngineDeps):
     # their route's on_store_error.
     idempotency: IdempotencyStore | None = None
     idempotency_result: Callable[[str, str], None] = lambda route, result: None
+    # Guarded writes in flight, run on when their client leaves; the app waits for them at stop.
+    detached: DetachedWrites = field(default_factory=DetachedWrites)

@@ -1,7 +1,9 @@
 """A write on a route that guards it (``idempotency``): the sequence run through the
 idempotency guard (``sidecar/idempotency/guard.py``).
 
-The guard reads the key, claims it and calls ``forward`` at most once; ``forward`` runs the
+The guard reads the key, claims it and calls ``forward`` at most once, in a task of its own that
+runs on when the client leaves (``detached.DetachedWrites``), so the key is settled by the app's
+answer rather than given back; ``forward`` runs the
 route's sequence (``run.run_sequence``, retries and DLQ hand-off included) with the answer held
 (``held.HeldAnswer``) rather than sent, and says whether the route would retry it. Once the key is
 settled (kept or released) the held answer goes to the client; the sidecar's own answers
@@ -14,16 +16,20 @@ problem and is not sent.
 
 from __future__ import annotations
 
+import asyncio
+from email.utils import formatdate
+
 from aiohttp import web
 
+from sidecar import outcomes
 from sidecar.core import Fate
 from sidecar.idempotency.answer import Answer, Forwarded
-from sidecar.idempotency.guard import RequestView, body_too_large, guarded
+from sidecar.idempotency.guard import GuardResult, RequestView, body_too_large, guarded
 from sidecar.idempotency.store import NOT_OPEN
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.held import HeldAnswer
 from sidecar.proxy.intake import Intake
-from sidecar.proxy.respond import ProxyResponse
+from sidecar.proxy.respond import ProxyResponse, proxy_status
 from sidecar.proxy.run import run_sequence
 
 # The fate label (metrics, logs) of a request the guard answered itself: a replay is the
@@ -42,17 +48,34 @@ def too_large(ctx: RequestContext) -> web.StreamResponse:
     made = body_too_large(
         key.decode("latin-1") if key is not None else None, ctx.route.retry.max_body_bytes
     )
-    resp = _made(made)
+    resp = _made(ctx, made, replayed=False)
     resp.force_close()
     ctx.deps.malformed("body-too-large")
     return _send(ctx, resp, made.body, REFUSED_FATE)
 
 
-def _made(answer: Answer) -> ProxyResponse:
-    """The sidecar's own answer (a kept one's headers are end-to-end only: framed anew)."""
-    length = len(answer.body)
-    framing = [(b"Content-Length", b"%d" % length)]
-    return ProxyResponse(answer.status, [*answer.headers, *framing], [], length)
+def _made(ctx: RequestContext, answer: Answer, *, replayed: bool) -> ProxyResponse:
+    """The sidecar's own answer, a problem or a replay (a kept answer's headers are end-to-end
+    only: framed anew; a 1xx, 204 or 304 carries no Content-Length, RFC 9110 8.6), with a
+    ``Date`` and ``Proxy-Status`` as every answer the sidecar makes itself: a replay names the
+    sidecar (no error), a problem the refusal's RFC 9209 error type (a store that cannot answer
+    is the sidecar's own fault)."""
+    status = answer.status
+    bodiless = status < 200 or status in (204, 304)
+    length = None if bodiless else len(answer.body)
+    framing = [] if length is None else [(b"Content-Length", b"%d" % length)]
+    error = None
+    if not replayed:
+        error = (
+            outcomes.INTERNAL.proxy_status
+            if status == 503
+            else outcomes.REFUSALS.get(status, outcomes.BAD_REQUEST.proxy_status)
+        )
+    own = [
+        (b"Date", formatdate(ctx.deps.clock.wall(), usegmt=True).encode("ascii")),
+        (b"Proxy-Status", proxy_status(error).encode("ascii")),
+    ]
+    return ProxyResponse(status, [*answer.headers, *framing], own, length)
 
 
 def _send(
@@ -79,14 +102,35 @@ def forwarded(ctx: RequestContext, held: HeldAnswer, resp: web.StreamResponse) -
         body = own if isinstance(own, bytes) else None
         stored = resp.headers.get("x-retry-dlq") == "stored"
         return Forwarded(resp.status, _headers(resp), body, not stored)
-    captured = held.captured
-    stored = captured is not None and captured.record_id is not None
-    status = resp.status
-    retryable = held.made_by_sidecar or status in ctx.route.retry.retry_on.statuses
     # None: relayed as it came, or broken mid-body -- the app answered (the write took
     # effect), so its status is kept; a duplicate is told its answer was not kept.
     kept = held.body if held.resp is not None else None
-    return Forwarded(status, tuple(held.headers), kept, retryable and not stored)
+    return _app_answer(ctx, held, resp.status, kept)
+
+
+def head_of(ctx: RequestContext, held: HeldAnswer) -> Forwarded | None:
+    """The app's answer as far as it came, once its head came (the app acted), else None: what
+    settles the key when the sequence ends without a result (the client gone mid-body, a
+    cancellation at stop). Its body is not kept."""
+    if held.status is None:
+        return None
+    return _app_answer(ctx, held, held.status, None)
+
+
+def _app_answer(
+    ctx: RequestContext, held: HeldAnswer, status: int, body: bytes | None
+) -> Forwarded:
+    captured = held.captured
+    stored = captured is not None and captured.record_id is not None
+    retryable = held.made_by_sidecar or status in ctx.route.retry.retry_on.statuses
+    # The DLQ's headers are the sidecar's own end-to-end ones: part of the answer the client
+    # got, so kept with it (a duplicate is told the write was stored, and under which id).
+    headers = tuple(held.headers)
+    if captured is not None:
+        headers += ((b"x-retry-dlq", captured.header.encode("latin-1")),)
+        if captured.record_id is not None:
+            headers += ((b"x-retry-dlq-id", captured.record_id.encode("latin-1")),)
+    return Forwarded(status, headers, body, retryable and not stored)
 
 
 async def run_guarded(ctx: RequestContext, intake: Intake) -> web.StreamResponse:
@@ -110,15 +154,31 @@ async def run_guarded(ctx: RequestContext, intake: Intake) -> web.StreamResponse
         sent.append(resp)
         return forwarded(ctx, held, resp)
 
-    result = await guarded(
-        route.idempotency, deps.idempotency or NOT_OPEN, view, forward, deps.clock
-    )
-    if result.outcome is not None:
-        deps.idempotency_result(route.name, result.outcome.value)
+    async def exchange() -> GuardResult:
+        got = await guarded(
+            route.idempotency,
+            deps.idempotency or NOT_OPEN,
+            view,
+            forward,
+            deps.clock,
+            answered=lambda: head_of(ctx, held),
+        )
+        if got.outcome is not None:
+            deps.idempotency_result(route.name, got.outcome.value)
+        return got
+
+    # Its own task: a client that leaves cancels this handler, not the write (detached.py).
+    work = deps.detached.start(exchange(), f"guarded-write {route.name}")
+    try:
+        result = await asyncio.shield(work)
+    except asyncio.CancelledError:
+        deps.detached.bound(work, ctx.start + route.timeout - deps.clock.monotonic())
+        raise
     answer = result.answer
     if isinstance(answer, Answer):  # a problem or a replay: the app was not called
         replayed = any(k == b"Idempotent-Replayed" for k, _ in answer.headers)
-        return _send(ctx, _made(answer), answer.body, REPLAYED_FATE if replayed else REFUSED_FATE)
+        made = _made(ctx, answer, replayed=replayed)
+        return _send(ctx, made, answer.body, REPLAYED_FATE if replayed else REFUSED_FATE)
     if held.resp is not None:  # the app's answer, held until its key was settled
         return _send(ctx, held.resp, held.body, held.fate, held.attempts)
     return sent[0]  # relayed already, or the sidecar's own answer (sent by aiohttp)

@@ -28,12 +28,15 @@ class HeldAnswer:
         "limit",
         "made_by_sidecar",
         "resp",
+        "status",
         "streamed",
     )
 
     def __init__(self, limit: int) -> None:
         self.limit = limit  # max_response_bytes: larger bodies are relayed, not held
         self.resp: ProxyResponse | None = None  # held, not sent yet
+        # The app's answer status once its head came (the app acted), else None.
+        self.status: int | None = None
         self.headers: RawHeaders = []  # the upstream's end-to-end headers
         self.body = b""
         self.fate: Fate | str = Fate.SUCCESS

@@ -86,6 +86,11 @@ async def stream(
     """Relay the upstream's response: whole in one write when it is already here and small,
     else head first and the body as it comes."""
     request = ctx.request
+    held = ctx.held
+    if held is not None:  # the head came: from here on the app has acted (proxy/guarded.py)
+        held.status = up.status
+        held.headers = forward.response_headers(up.headers)
+        held.made_by_sidecar = up.proxy_error is not None
     if up.extra_data:
         ctx.upstream_warning("upstream sent more data after a complete response")
     if up.interim and request.version >= HttpVersion11:
@@ -93,18 +98,15 @@ async def stream(
         # They go out in their order, just before the final response.
         for status, headers in up.interim:
             await request.writer.write(interim_head(status, forward.response_headers(headers)))
-    held = ctx.held
     idle = ctx.route.stream_idle_timeout
     whole = up.complete and (held is not None or up.buffered_bytes <= FULL_RESPONSE_MAX)
-    raw = forward.response_headers(up.headers)
+    raw = held.headers if held is not None else forward.response_headers(up.headers)
     resp = ProxyResponse(
         up.status, raw, own_headers(result, captured), up.content_length, flush_head=not whole
     )
     ahead: bytes | None = None  # a guarded write's body read ahead (proxy/held.py)
     if held is not None:
         held.captured = captured
-        held.headers = raw
-        held.made_by_sidecar = up.proxy_error is not None
         if not whole and up.has_body:
             try:
                 ahead, whole = await held.read(up, idle)

@@ -25,7 +25,7 @@ from sidecar.idempotency.policy import IdempotencyPolicy
 from sidecar.idempotency.sqlite import SqliteIdempotencyStore
 from sidecar.idempotency.store import Claimed
 from sidecar.testing import FakeClock
-from tests.wait import until
+from tests.wait import until, until_async
 
 Run = Callable[[Callable[[], Awaitable[Any]]], Any]
 POLICY = IdempotencyPolicy(enabled=True, max_response_bytes=64)
@@ -220,9 +220,13 @@ def test_scope_header_keeps_clients_apart(
     run(main)
 
 
-def test_a_cancellation_half_way_releases_the_key(
+def test_a_cancellation_half_way_leaves_the_key_in_progress_until_its_lease(
     run: Run, store: SqliteIdempotencyStore, clock: FakeClock
 ) -> None:
+    """Cancelled with no answer yet (a stop whose drain ran out): the request may have reached
+    the app, so the key is not given back: in progress until its lease, as a killed sidecar
+    leaves it; a duplicate meanwhile gets 409, and one after the lease is a takeover."""
+
     async def main() -> None:
         gate = asyncio.Event()
         app = App(gate=gate)
@@ -231,28 +235,34 @@ def test_a_cancellation_half_way_releases_the_key(
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert await store.get(stored_key("k1", NO_SCOPE)) is None
+        record = await store.get(stored_key("k1", NO_SCOPE))
+        assert record is not None and not record.finished
         gate.set()
-        assert (await guarded(POLICY, store, view(), app.forward, clock)).outcome is O.FIRST
+        assert (await guarded(POLICY, store, view(), app.forward, clock)).outcome is O.IN_PROGRESS
+        clock.advance(POLICY.lease_for(60.0))
+        again = await guarded(POLICY, store, view(), app.forward, clock)
+        assert again.outcome is O.LEASE_EXPIRED and app.calls == 2
 
     run(main)
 
 
-def test_a_timeout_or_an_exception_around_forward_releases_the_key(
+def test_a_timeout_or_an_exception_around_forward_leaves_the_key_in_progress(
     run: Run, store: SqliteIdempotencyStore, clock: FakeClock
 ) -> None:
     async def main() -> None:
         app = App(gate=asyncio.Event())  # never set: the app never answers
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(guarded(POLICY, store, view(), app.forward, clock), 0.05)
-        assert await store.get(stored_key("k1", NO_SCOPE)) is None
+        record = await store.get(stored_key("k1", NO_SCOPE))
+        assert record is not None and not record.finished
 
         async def broken() -> Forwarded:
             raise RuntimeError("boom")
 
         with pytest.raises(RuntimeError):
-            await guarded(POLICY, store, view(), broken, clock)
-        assert await store.get(stored_key("k1", NO_SCOPE)) is None
+            await guarded(POLICY, store, view(key=b"k2"), broken, clock)
+        record = await store.get(stored_key("k2", NO_SCOPE))
+        assert record is not None and not record.finished
 
     run(main)
 
@@ -321,3 +331,84 @@ def test_a_dead_holders_key_is_taken_over_after_its_lease_and_counted(
         assert app.calls == 1
 
     run(main)
+
+
+@pytest.mark.parametrize("end", ["cancelled", "raised"])
+def test_once_the_answer_head_came_the_key_is_finished_whatever_ends_forward(
+    run: Run, store: SqliteIdempotencyStore, clock: FakeClock, end: str
+) -> None:
+    """The app's head came (a large answer streamed, not held), then the forward ends without a
+    result: cancelled (the client gone mid-body, a stop) or raising. The app acted: the key is
+    finished with its status, the body not kept, and a duplicate is replayed that status."""
+
+    async def main() -> None:
+        head: list[Forwarded] = []
+        gate = asyncio.Event()
+        entered = asyncio.Event()
+
+        async def forward() -> Forwarded:
+            head.append(Forwarded(200, JSON, None, False))
+            entered.set()
+            await gate.wait()
+            raise ConnectionError("the client went away mid-body")
+
+        task = asyncio.ensure_future(
+            guarded(POLICY, store, view(), forward, clock, answered=lambda: next(iter(head), None))
+        )
+        await entered.wait()
+        if end == "cancelled":
+            task.cancel()
+        else:
+            gate.set()
+        with pytest.raises(asyncio.CancelledError if end == "cancelled" else ConnectionError):
+            await task
+        record = await store.get(stored_key("k1", NO_SCOPE))
+        assert record is not None and record.finished
+        assert record.answer == KeptAnswer(200, (), None, None)
+        app = App()
+        again = await guarded(POLICY, store, view(), app.forward, clock)
+        assert again.outcome is O.REPLAYED and app.calls == 0
+        assert isinstance(again.answer, Answer) and again.answer.status == 200
+
+    run(main)
+
+
+def test_the_holder_renews_its_lease_while_forward_runs(
+    run: Run, store: SqliteIdempotencyStore, clock: FakeClock
+) -> None:
+    """A request that runs longer than its lease (a slow body after an early head, a slow app)
+    keeps its key: the guard renews the lease every third of it, so a duplicate past the first
+    lease gets 409, never a takeover. Cancelled half-way, the heartbeat goes with the guard."""
+    policy = IdempotencyPolicy(enabled=True, lease=0.3)
+
+    async def main() -> None:
+        app = App(gate=asyncio.Event())
+        task = asyncio.ensure_future(guarded(policy, store, view(), app.forward, clock))
+        await app.entered.wait()
+        key = stored_key("k1", NO_SCOPE)
+        first = await store.get(key)
+        assert first is not None
+        clock.advance(10.0)  # far past the first lease: only a renewal keeps the key
+        await until_async(lambda: _expires_after(store, key, clock.wall()), "a renewal")
+        dup = await guarded(policy, store, view(), App().forward, clock)
+        assert dup.outcome is O.IN_PROGRESS
+        assert _renewing(), "the heartbeat runs while forward does"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await until(lambda: not _renewing(), "no heartbeat left after a cancellation half-way")
+        app.gate = None
+        done = await guarded(policy, store, view(key=b"k2"), app.forward, clock)
+        assert done.outcome is O.FIRST
+        await until(lambda: not _renewing(), "no heartbeat left after a return")
+
+    run(main)
+
+
+async def _expires_after(store: SqliteIdempotencyStore, key: str, wall: float) -> bool:
+    record = await store.get(key)
+    return record is not None and record.expires_at > wall
+
+
+def _renewing() -> bool:
+    return any(t.get_name() == guard_module.RENEW_TASK for t in asyncio.all_tasks())

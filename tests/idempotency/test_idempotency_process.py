@@ -315,29 +315,6 @@ async def _guarded(port: int) -> bool:
     return status == 201 and "Idempotent-Replayed" not in headers and "x-retry-fate" in headers
 
 
-async def test_the_client_gone_mid_forward_releases_the_key(app, tmp_path, proc_stack):
-    port, admin = await start(proc_stack, tmp_path, config(app, tmp_path))
-    app.gate = asyncio.Event()
-    _, w = await asyncio.open_connection("127.0.0.1", port)
-    w.write(
-        b"POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: gone\r\nContent-Length: 2\r\n\r\n{}"
-    )
-    await w.drain()
-    await app.entered.wait()
-    w.close()  # the client leaves while the app runs the write
-    await until_async(lambda: _released(admin), "the key released by the cancelled forward")
-    app.gate.set()
-    status, headers, _ = await post(port, body=b"{}", key="gone")
-    assert status == 201 and "Idempotent-Replayed" not in headers
-    seen = await counts(admin)  # claimed twice: the first claim was given back
-    assert seen["first"] == 1 and seen["in-progress"] == 0
-
-
-async def _released(admin: int) -> bool:
-    text = (await call("GET", f"http://127.0.0.1:{admin}/metrics"))[2].decode()
-    return 'retry_sidecar_requests_total{route="orders",fate="client-gone"} 1' in text
-
-
 REQUEST = (
     b"POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: wire\r\n"
     b'Content-Length: 11\r\n\r\n{"sku": 7}\n'
@@ -461,3 +438,84 @@ async def test_a_chain_of_two_sidecars_gives_effectively_once_end_to_end(app, tm
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_duplicate_of_a_write_the_dlq_stored_gets_the_stored_marker(
+    app, tmp_path, proc_stack
+):
+    """``respond: passthrough``: the client got the app's 503 with ``x-retry-dlq: stored`` and
+    its record id; a duplicate gets that same answer replayed, the DLQ's headers included."""
+    app.status = 503
+    extra = (
+        "    dlq: {enabled: true, respond: passthrough}\n"
+        "    retry: {attempts: 1}\n"
+        f'dlq: {{path: "{tmp_path}/dlq.sqlite3"}}\n'
+    )
+    port, _ = await start(proc_stack, tmp_path, config(app, tmp_path, extra=extra))
+    status, first, _ = await post(port, key="stored")
+    assert status == 503 and first["x-retry-dlq"] == "stored", first
+    status, again, _ = await post(port, key="stored")
+    assert status == 503 and again["Idempotent-Replayed"] == "true"
+    assert again["x-retry-dlq"] == "stored"
+    assert again["x-retry-dlq-id"] == first["x-retry-dlq-id"]
+    assert len(app.writes) == 1
+
+
+async def test_scope_header_authorization_ignores_how_the_scheme_is_spelled(
+    app, tmp_path, proc_stack
+):
+    """``scope_header: Authorization``: a retry whose library spells the auth-scheme otherwise
+    (``bearer``, two spaces) is the same client: replayed, not run again."""
+    port, _ = await start(
+        proc_stack, tmp_path, config(app, tmp_path, "{enabled: true, scope_header: Authorization}")
+    )
+    url = f"http://127.0.0.1:{port}/orders"
+    first = await call(
+        "POST", url, data=b"{}", headers={"Idempotency-Key": "a", "Authorization": "Bearer tok"}
+    )
+    assert first[0] == 201
+    for spelled in ("bearer tok", "BEARER  tok"):
+        again = await call(
+            "POST", url, data=b"{}", headers={"Idempotency-Key": "a", "Authorization": spelled}
+        )
+        assert (again[0], again[1].get("Idempotent-Replayed")) == (201, "true"), spelled
+    other = await call(
+        "POST", url, data=b"{}", headers={"Idempotency-Key": "a", "Authorization": "Bearer TOK"}
+    )
+    assert other[0] == 201 and "Idempotent-Replayed" not in other[1]  # another client
+    assert len(app.writes) == 2
+
+
+async def test_the_sidecars_own_answers_carry_proxy_status_and_date(app, tmp_path, proc_stack):
+    """Every answer the sidecar makes itself carries Proxy-Status (RFC 9209) and Date (RFC 9110
+    6.6.1): the problems name their error type, a replay names the sidecar; a replayed 204
+    carries no Content-Length (RFC 9110 8.6), as the original had none."""
+    port, _ = await start(proc_stack, tmp_path, config(app, tmp_path))
+    await post(port)
+    app.gate = asyncio.Event()
+    running = asyncio.create_task(post(port, key="busy"))
+    await app.entered.wait()
+    answers = {
+        "invalid": await post(port, key="x" * 256),
+        "in-progress": await post(port, key="busy"),
+        "mismatch": await post(port, body=b"other"),
+    }
+    app.gate.set()
+    await running
+    for kind, (status, headers, _) in answers.items():
+        assert status in (400, 409, 422), kind
+        assert headers["Proxy-Status"] == "retry-sidecar; error=http_request_error", kind
+        assert "GMT" in headers["Date"], kind
+    status, headers, _ = await post(port)
+    assert headers["Idempotent-Replayed"] == "true"
+    assert headers["Proxy-Status"] == "retry-sidecar" and "GMT" in headers["Date"]
+    app.status = 204
+    request = (
+        b"POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: empty\r\n"
+        b"Connection: close\r\nContent-Length: 2\r\n\r\n{}"
+    )
+    first = await raw_request(port, request)
+    assert first.startswith(b"HTTP/1.1 204") and b"content-length" not in first.lower()
+    again = await raw_request(port, request)
+    assert again.startswith(b"HTTP/1.1 204") and b"Idempotent-Replayed: true" in again
+    assert b"content-length" not in again.lower(), again

@@ -104,6 +104,24 @@ def test_scope_digest_separates_clients_and_hides_the_value() -> None:
     assert stored_key("k", a) != stored_key("k", b)
 
 
+@pytest.mark.parametrize("name", ["Authorization", "Proxy-Authorization"])
+def test_credentials_scope_by_client_whatever_the_scheme_is_spelled(name: str) -> None:
+    """The auth-scheme is case-insensitive and 1*SP separates it (RFC 9110 11.1, 11.4): the
+    same credentials spelled otherwise are the same client; the credentials themselves and
+    every other header are taken as sent."""
+    h = name.encode()
+
+    def scope(value: bytes, header: bytes = h) -> str:
+        return scope_digest([(header, value)], name)
+
+    same = {scope(v) for v in (b"Bearer tok", b"bearer tok", b"BEARER  tok", b" Bearer\ttok ")}
+    assert len(same) == 1
+    assert scope(b"Bearer TOK") not in same  # the token68 is case-sensitive
+    assert scope(b"Bearer") == scope(b"bearer ")
+    other = scope_digest([(b"X-Client", b"Bearer tok")], "X-Client")
+    assert other != scope_digest([(b"X-Client", b"bearer tok")], "X-Client")
+
+
 NOW = 1_000.0
 FP, OTHER = "fp", "other"
 DECIDE_CASES = [

@@ -67,6 +67,13 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
+@pytest.fixture
+def store(db: Path, clock: FakeClock) -> Iterator[SqliteIdempotencyStore]:
+    s = opened(db, clock)
+    yield s
+    s.close()
+
+
 def opened(path: Path, clock: FakeClock, **kw: Any) -> SqliteIdempotencyStore:
     store = SqliteIdempotencyStore(str(path), clock, **kw)
     store.open()
@@ -151,6 +158,30 @@ def test_release_and_complete_are_compare_and_set_on_the_token(with_store: WithS
         assert not await store.release("k", claim.token)
         assert await store.get("k") is None
         assert isinstance(await store.claim("k", "fp", 30.0), Claimed)
+
+    with_store(main)
+
+
+def test_renew_moves_the_lease_of_its_holder_only(with_store: WithStore, clock: FakeClock) -> None:
+    """The holder's heartbeat: a compare-and-set on the token, in progress only (both
+    backends)."""
+
+    async def main(store: IdempotencyStore) -> None:
+        claim = await store.claim("k", "fp", 5.0)
+        assert isinstance(claim, Claimed)
+        clock.advance(4.0)
+        assert await store.renew("k", claim.token, 5.0)
+        record = await store.get("k")
+        assert record is not None and record.expires_at == clock.wall() + 5.0
+        clock.advance(4.0)  # past the first lease, within the renewed one
+        busy = await store.claim("k", "fp", 5.0)
+        assert isinstance(busy, Busy) and busy.expiry == clock.wall() + 1.0
+        assert not await store.renew("k", "not-the-token", 60.0)
+        assert not await store.renew("absent", claim.token, 60.0)
+        assert await store.complete("k", claim.token, ANSWER, 60.0)
+        assert not await store.renew("k", claim.token, 5.0)  # finished: not a lease any more
+        record = await store.get("k")
+        assert record is not None and record.finished and record.expires_at == clock.wall() + 60
 
     with_store(main)
 
