@@ -109,7 +109,7 @@ class Fleet:
         note="true: switches set or lifted through any sidecar's admin API apply to all",
         help=(
             "true: a kill switch set or lifted through any sidecar's admin API applies to every "
-            "sidecar sharing `fleet.redis` within 2 s (`source: fleet`; see \"Fleet mode\"); "
+            'sidecar sharing `fleet.redis` within 2 s (`source: fleet`; see "Fleet mode"); '
             "needs `fleet.redis.url`. Changes need a restart"
         ),
     )

@@ -163,6 +163,7 @@ class FleetSwitches:
     async def read(self) -> None:
         """Read the shared hash and make it what this sidecar knows; delete expired fields.
         On failure what was known is kept (``FleetUnavailable``)."""
+
         async def read_all(r: Redis) -> dict[bytes, bytes]:
             got = await r.hgetall(self.hash)  # bytes: the client does not decode
             return {_b(k): _b(v) for k, v in got.items()}
