@@ -170,3 +170,41 @@ async def test_redis_killed_keeps_the_switches_and_says_so_then_converges(
     await until_async(connected, "fleet_connected 1 on both", timeout=BOUND)
     assert (await call("DELETE", b, "/killswitch?scope=global"))[0] == 200
     await seen([a, b], set(), "the lift after the restart on both")
+
+
+async def test_the_task_cancelled_half_way_closes_its_connections(redis: RedisServer) -> None:
+    from redis.asyncio import Redis
+
+    from sidecar.config.fleet import Fleet, FleetRedis
+    from sidecar.core import Clock
+    from sidecar.fleet.switches import FleetSwitches
+
+    made = FleetSwitches.of(Fleet(FleetRedis(url=redis.url), killswitch=True), Clock())
+    assert made is not None
+    fleet: FleetSwitches = made
+    observer = Redis.from_url(redis.url)
+
+    async def ours() -> int:
+        listed = await observer.client_list()
+        return sum(1 for c in listed if c.get("name") == "retry-sidecar")
+
+    try:
+        task = asyncio.create_task(fleet.run())
+        # Subscribed and waiting for a message (one connection reads, one listens).
+        await until_async(lambda: _subscribed(observer, fleet.channel), "the subscription")
+        assert await ours() >= 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await until_async(lambda: _none(ours), "every connection of the task closed")
+    finally:
+        await observer.aclose()
+
+
+async def _subscribed(observer: Any, channel: str) -> bool:
+    counts = await observer.pubsub_numsub(channel)
+    return bool(counts and counts[0][1] == 1)
+
+
+async def _none(ours: Any) -> bool:
+    return bool(await ours() == 0)
