@@ -30,6 +30,8 @@ from sidecar.dlq.reopen import reopen_delay
 from sidecar.engine.figures import RouteFigureSource
 from sidecar.engine.resolve import Resolver
 from sidecar.engine.routestate import RouteStates
+from sidecar.fleet.switches import TASK as FLEET_SWITCHES
+from sidecar.fleet.switches import FleetSwitches
 from sidecar.heaptrim import HeapTrimmer
 from sidecar.idempotency import service as keys
 from sidecar.idempotency.admin import idempotency_routes
@@ -78,14 +80,13 @@ class Sidecar:
         self.clock = clock or Clock()
         self.events = Fanout()
         self.metrics = Metrics()
-        self.events.sinks.append(self.metrics)
-        self.events.sinks.append(RequestLog())
+        self.events.sinks.extend((self.metrics, RequestLog()))
         self.states = RouteStates(self._on_breaker_transition)
         self.states.sync(config)
         self._declare_routes(config)
         self.resolver = Resolver(self.states)
         self.figures = RouteFigureSource(self.states, lambda: self.store.current)
-        self.kill = KillSwitch(self.clock.wall)
+        self.kill = KillSwitch(self.clock.wall, FleetSwitches.of(config.fleet, self.clock))
         apply_file(self.kill, config, self.clock.monotonic(), self.clock.wall())
         self.life = Lifecycle()
         self.kill.on_set(self.life.nudge_sleepers)
@@ -188,10 +189,7 @@ class Sidecar:
 
     def _open_keys(self) -> None:
         if "idempotency-open" not in self._tasks:
-            self.spawn("idempotency-open", self.keys.keep_opening(self._draining))
-
-    def _draining(self) -> bool:
-        return self.life.draining
+            self.spawn("idempotency-open", self.keys.keep_opening(lambda: self.life.draining))
 
     def add_sink(self, sink: EventSink) -> None:
         self.events.sinks.append(sink)
@@ -341,7 +339,7 @@ class Sidecar:
         self._dlq_opening = asyncio.Lock()
         if self._dlq_wanted(config) and not await self._open_dlq_now():
             self.spawn("dlq-open", self._keep_opening())
-        if keys.wanted(config) and not await self.keys.open(self._draining):
+        if keys.wanted(config) and not await self.keys.open(lambda: self.life.draining):
             self._open_keys()
         # The DLQ endpoints exist even when no DLQ is open (they answer 503 then).
         self.admin_extra.extend(dlq_routes(self._dlq_open, lambda: self._dlq_path))
@@ -410,6 +408,8 @@ class Sidecar:
         self.admin_port = int(arunner.addresses[0][1])
 
         self.spawn("status-rates", self.rates.run())
+        if self.kill.fleet is not None:  # fleet.killswitch: the fleet's switches followed
+            self.spawn(FLEET_SWITCHES, self.kill.fleet.run())
         self.spawn("heap-trim", self.heap.run())  # RSS back down after large bodies
         if self.reloader is not None:
             self.spawn("config-watch", self.reloader.watch(self.watch_interval))

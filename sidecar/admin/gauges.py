@@ -55,6 +55,10 @@ def wire_gauges(
             out[(("scope", scope),)] = 1.0
         return out
 
+    def fleet_connected() -> dict[Labels, float]:
+        fleet = kill.fleet
+        return {} if fleet is None else {(): 1.0 if fleet.connected else 0.0}
+
     # The DLQ gauges read what the store's writer thread last published: a scrape never
     # runs a query on the event loop.
     def dlq_records() -> dict[Labels, float]:
@@ -92,5 +96,6 @@ def wire_gauges(
     m.dlq_oldest.collect = dlq_oldest
     m.dlq_available.collect = dlq_available
     m.kill_switch.collect = kill_switches
+    m.fleet_connected.collect = fleet_connected
     m.reload_ok.set((), 1.0)
     m.reload_ts.set((), clock.wall())

@@ -3,7 +3,7 @@
 A switch is a real mode of the same code path: the retry engine makes exactly one attempt and
 reports ``x-retry-fate: kill-switch`` when a retry was wanted.
 
-Switches come from two sources, kept apart:
+Switches come from three sources, kept apart:
 
 - ``admin``: set and lifted through the admin API (or the status page's forms), held in memory
   only. A restart clears them, on purpose: a restarted sidecar comes back with what its file says.
@@ -12,7 +12,14 @@ Switches come from two sources, kept apart:
   a fleet, and deleting the entry lifts it everywhere. They cannot be lifted through the admin
   API: the file is the fleet's truth and would put them back on the next reload or restart.
 
-A scope is covered while a switch of either source is active for it.
+- ``fleet`` (``fleet.killswitch: true``): set and lifted through any sidecar's admin API (or
+  status page), shared through the fleet's Redis (``sidecar/fleet/switches.py``) so that every
+  sidecar sharing it applies them. With it on, the admin API sets and lifts fleet switches
+  instead of admin ones; while the Redis cannot take a set or a lift, it is refused
+  (``FleetUnavailable``, a 503): nothing is applied on this pod only without the operator
+  knowing. A fleet switch's ``expires_at`` is a wall-clock instant, like a file switch's.
+
+A scope is covered while a switch of any source is active for it.
 
 An admin switch lasts a TTL, a duration: it ends on the monotonic clock, which no host clock
 correction moves. A file switch's ``until`` is an instant: it is compared with the wall clock
@@ -32,10 +39,11 @@ from typing import Literal
 from sidecar.config import units
 from sidecar.config.killswitches import expired_warning
 from sidecar.config.model import Config, FileKillSwitch
+from sidecar.fleet.switches import FleetSwitch, FleetSwitches
 
 MAX_TTL = 24 * 3600.0
 MAX_REASON = 1000
-Source = Literal["admin", "file"]
+Source = Literal["admin", "file", "fleet"]
 audit = logging.getLogger("sidecar.audit")
 log = logging.getLogger("sidecar.admin")
 
@@ -108,9 +116,10 @@ class Switch:
     # which ends at the wall-clock instant ``expires_at``.
     expires_mono: float | None
     source: Source = "admin"
+    set_on: str | None = None  # a fleet switch: the name of the sidecar it was set through
 
     def as_json(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "scope": self.scope,
             "reason": self.reason,
             "set_by": self.set_by,
@@ -118,16 +127,30 @@ class Switch:
             "expires_at": self.expires_at,
             "source": self.source,
         }
+        if self.set_on is not None:
+            out["set_on"] = self.set_on
+        return out
+
+
+def from_fleet(sw: FleetSwitch) -> Switch:
+    return Switch(
+        sw.scope, sw.reason, sw.set_by, sw.set_at, sw.expires_at, None, "fleet", sw.set_on
+    )
 
 
 class KillSwitch:
-    def __init__(self, wall: Callable[[], float] = time.time) -> None:
-        self._wall = wall  # what a file switch's until is compared with
+    def __init__(
+        self, wall: Callable[[], float] = time.time, fleet: FleetSwitches | None = None
+    ) -> None:
+        self._wall = wall  # what a file or fleet switch's end is compared with
         self._admin: dict[str, Switch] = {}
         self._file: dict[str, Switch] = {}
-        # Called when a switch is set (admin or file): backoff sleeps ask again whether their
-        # retry may still be sent (Lifecycle.nudge_sleepers).
+        self.fleet = fleet  # None unless fleet.killswitch is on
+        # Called when a switch is set (admin, file or fleet): backoff sleeps ask again whether
+        # their retry may still be sent (Lifecycle.nudge_sleepers).
         self._on_set: list[Callable[[], None]] = []
+        if fleet is not None:
+            fleet.on_change(self._notify)
 
     def on_set(self, listener: Callable[[], None]) -> None:
         self._on_set.append(listener)
@@ -148,6 +171,26 @@ class KillSwitch:
     def lift(self, scope: str) -> bool:
         """Lift an admin switch. File switches are lifted by editing the file."""
         return self._admin.pop(scope, None) is not None
+
+    async def set_from_api(
+        self, scope: str, ttl: float, reason: str, who: str, now: float, wall: float
+    ) -> Switch:
+        """A set through the admin API or the status page: a fleet switch when fleet switches
+        are on (``FleetUnavailable`` when the Redis cannot take it), else an admin switch."""
+        if self.fleet is None:
+            return self.set(scope, ttl, reason, who, now, wall)
+        if not 0 < ttl <= MAX_TTL:
+            raise ValueError("ttl must be greater than 0 and at most 24h")
+        sw = FleetSwitch(scope, reason, who, self.fleet.name, wall, wall + ttl)
+        await self.fleet.set(sw)
+        return from_fleet(sw)
+
+    async def lift_from_api(self, scope: str) -> bool:
+        """A lift through the admin API or the status page: the admin switch of ``scope`` and,
+        when fleet switches are on, the fleet's (``FleetUnavailable`` when the Redis cannot
+        take it); whether one was in force."""
+        in_fleet = self.fleet is not None and await self.fleet.lift(scope)
+        return self.lift(scope) or in_fleet
 
     def file_state(self) -> dict[str, Switch]:
         """The file switches as they are, for ``restore_file`` (an apply that failed)."""
@@ -191,15 +234,23 @@ class KillSwitch:
 
     def active(self, now: float) -> list[Switch]:
         self._prune(now)
-        both = [*self._admin.values(), *self._file.values()]
-        return sorted(both, key=lambda s: (s.scope, s.source))
+        every = [*self._admin.values(), *self._file.values(), *self._fleet_active()]
+        return sorted(every, key=lambda s: (s.scope, s.source))
+
+    def _fleet_active(self) -> list[Switch]:
+        if self.fleet is None:
+            return []
+        return [from_fleet(sw) for sw in self.fleet.active(self._wall())]
 
     def covers(self, route: str, now: float) -> bool:
-        if not self._admin and not self._file:  # the common case costs one check
+        fleet = self.fleet is not None and self.fleet.any_known()
+        if not self._admin and not self._file and not fleet:  # the common case: two checks
             return False
         self._prune(now)
         scope = f"route:{route}"
-        return any("global" in d or scope in d for d in (self._admin, self._file))
+        if any("global" in d or scope in d for d in (self._admin, self._file)):
+            return True
+        return fleet and any(s.scope in ("global", scope) for s in self._fleet_active())
 
     def _prune(self, now: float) -> None:
         for scope, sw in list(self._admin.items()):

@@ -32,6 +32,7 @@ from sidecar.admin.snapshot import (
     switch_view,
     take,
 )
+from sidecar.fleet.connection import FleetUnavailable
 from sidecar.jsonapi import ExtraRoute, error, whole_number
 
 log = logging.getLogger("sidecar.admin")
@@ -155,9 +156,11 @@ def page_routes(deps: PageDeps) -> tuple[list[ExtraRoute], list[FormRoute]]:
             )
         except BadRequest as exc:
             return set_page(f, str(exc), 400)
-        sw = src.kill.set(
-            scope, ttl, reason, request.remote or "unknown", src.clock.monotonic(), src.clock.wall()
-        )
+        who, now, wall = request.remote or "unknown", src.clock.monotonic(), src.clock.wall()
+        try:
+            sw = await src.kill.set_from_api(scope, ttl, reason, who, now, wall)
+        except FleetUnavailable as exc:
+            return set_page(f, f"{exc}: nothing was set.", 503)
         audit_set(sw, ttl, "status-page")
         nid = deps.notice(
             True, f"Retries are off for {scope} until {when(sw.expires_at)}: {reason}"
@@ -171,7 +174,7 @@ def page_routes(deps: PageDeps) -> tuple[list[ExtraRoute], list[FormRoute]]:
         found = [
             switch_view(s, wall)
             for s in src.kill.active(now)
-            if s.scope == scope and s.source == "admin"
+            if s.scope == scope and s.source in ("admin", "fleet")
         ]
         if not found and status == 200:
             status = 404
@@ -203,7 +206,11 @@ def page_routes(deps: PageDeps) -> tuple[list[ExtraRoute], list[FormRoute]]:
         scope = f.get("scope", "")
         if refused is not None:
             return lift_page(scope, refused.message, refused.status)
-        if not src.kill.lift(scope):
+        try:
+            lifted = await src.kill.lift_from_api(scope)
+        except FleetUnavailable as exc:
+            return lift_page(scope, f"{exc}: nothing was lifted.", 503)
+        if not lifted:
             return lift_page(scope, f"No admin kill switch is active for {scope}.", 404)
         audit_lift(scope, request.remote or "unknown", "status-page")
         nid = deps.notice(True, f"Lifted the {scope} kill switch: retries resume.")

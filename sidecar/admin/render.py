@@ -297,13 +297,14 @@ def _switches_table(st: Status, view: View) -> str:
         )
     rows = []
     for s in st.switches:
-        if s.source == "admin":
+        if s.source in ("admin", "fleet"):
             action = f'<a href="/ui/killswitch/lift?{urlencode({"scope": s.scope})}">lift</a>'
         else:
             action = '<span class="mute">edit the policy file</span>'
         rows.append(
             f"<tr><td>{escape(s.scope)}</td><td>{escape(s.source)}</td>"
-            f"<td>{escape(s.reason)}</td><td>{escape(s.set_by)}</td>"
+            f"<td>{escape(s.reason)}</td><td>{escape(s.set_by)}"
+            f"{'' if s.set_on is None else ' on ' + escape(s.set_on)}</td>"
             f"<td>{escape(when(s.set_at))}</td>"
             f'<td class="num">{escape(when(s.expires_at))}<br><small>in '
             f"{age(s.expires_in)}</small></td><td>{action}</td></tr>"
@@ -345,6 +346,12 @@ def _process(st: Status) -> str:
         ),
         ("DLQ", f"{escape(p.dlq)} <small>{escape(p.dlq_path)}</small>"),
     ]
+    if p.fleet_switches != "off":
+        cls = "ok" if p.fleet_switches == "connected" else "bad"
+        kept = "" if cls == "ok" else " <small>(the switches last known are kept)</small>"
+        items.append(
+            ("Fleet switches", f'<span class="{cls}" id="fleet">{p.fleet_switches}</span>{kept}')
+        )
     cells = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in items)
     return f'<h2>Process</h2><dl class="grid" id="process">{cells}</dl>'
 

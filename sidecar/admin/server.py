@@ -36,6 +36,7 @@ from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader
 from sidecar.core import Clock
 from sidecar.engine.figures import RouteFigureSource
+from sidecar.fleet.connection import FleetUnavailable
 from sidecar.jsonapi import ExtraRoute, Handler, error, iso, loads_json
 from sidecar.lifecycle import Lifecycle
 from sidecar.telemetry.logs import RateLimit
@@ -254,7 +255,11 @@ def build_admin_app(
         if unknown:
             return error(400, f"unknown keys: {', '.join(sorted(unknown))}")
         who = request.remote or "unknown"
-        sw = deps.kill.set(scope, ttl, reason, who, deps.clock.monotonic(), deps.clock.wall())
+        now, wall = deps.clock.monotonic(), deps.clock.wall()
+        try:
+            sw = await deps.kill.set_from_api(scope, ttl, reason, who, now, wall)
+        except FleetUnavailable as exc:
+            return error(503, f"{exc}; the fleet kill switch was not set (nothing changed)")
         audit_set(sw, ttl, "api")
         return web.json_response(switch_json(sw))
 
@@ -263,7 +268,11 @@ def build_admin_app(
         if not scope:
             return error(400, "give the scope to lift: DELETE /killswitch?scope=global")
         now = deps.clock.monotonic()
-        if not deps.kill.lift(scope):
+        try:
+            lifted = await deps.kill.lift_from_api(scope)
+        except FleetUnavailable as exc:
+            return error(503, f"{exc}; the fleet kill switch was not lifted (nothing changed)")
+        if not lifted:
             in_file = deps.kill.file_switch(scope, now)
             if in_file is not None:
                 return error(

@@ -58,12 +58,13 @@ class StatusSources:
 @dataclass(frozen=True, slots=True)
 class SwitchView:
     scope: str
-    source: str  # admin | file
+    source: str  # admin | file | fleet
     reason: str
     set_by: str
     set_at: float  # epoch seconds
     expires_at: float
     expires_in: float  # seconds
+    set_on: str | None = None  # a fleet switch: the sidecar it was set through
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +120,9 @@ class ProcessStatus:
     upstream_idle: int
     dlq: str  # "open", "off" (no route uses it) or "unavailable"
     dlq_path: str
+    # Fleet kill switches: "off" (fleet.killswitch false), "connected" or "unreachable" (the
+    # switches last known are kept).
+    fleet_switches: str = "off"
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +141,8 @@ class Status:
 
 
 def switch_view(s: Switch, wall: float) -> SwitchView:
-    return SwitchView(
-        s.scope, s.source, s.reason, s.set_by, s.set_at, s.expires_at, max(0.0, s.expires_at - wall)
-    )
+    left = max(0.0, s.expires_at - wall)
+    return SwitchView(s.scope, s.source, s.reason, s.set_by, s.set_at, s.expires_at, left, s.set_on)
 
 
 def _ratio(num: int, den: int) -> float | None:
@@ -214,8 +217,15 @@ async def take(src: StatusSources, window: str = DEFAULT_WINDOW) -> Status:
         upstream_idle=sum(int(p.get("idle", 0)) for p in pools),
         dlq="open" if dlq_open else _dlq_off(src),
         dlq_path=config.dlq.path,
+        fleet_switches=_fleet(src.kill),
     )
     return Status(wall, window, win.seconds, process, routes, switches)
+
+
+def _fleet(kill: KillSwitch) -> str:
+    if kill.fleet is None:
+        return "off"
+    return "connected" if kill.fleet.connected else "unreachable"
 
 
 def _dlq_off(src: StatusSources) -> str:

@@ -109,8 +109,8 @@ class Fleet:
         note="true: switches set or lifted through any sidecar's admin API apply to all",
         help=(
             "true: a kill switch set or lifted through any sidecar's admin API applies to every "
-            "sidecar sharing `fleet.redis` (`source: fleet`); needs `fleet.redis.url`. Not "
-            "available yet: `true` is refused. Changes need a restart"
+            'sidecar sharing `fleet.redis` within 2 s (`source: fleet`; see "Fleet mode"); '
+            "needs `fleet.redis.url`. Changes need a restart"
         ),
     )
 
@@ -128,11 +128,6 @@ def _killswitch_needs_redis(f: Fleet, written: Collection[str]) -> tuple[Fleet, 
     if f.killswitch and f.redis.url is None:
         return replace(f, killswitch=False), [
             ("killswitch", "true needs fleet.redis.url: the switches are shared through it")
-        ]
-    if f.killswitch:
-        # Refused rather than accepted and ignored until the shared switches are built.
-        return replace(f, killswitch=False), [
-            ("killswitch", "true is not available yet: fleet-wide switches are not built")
         ]
     return f, []
 

@@ -136,6 +136,9 @@ class Metrics:
             "breaker_transitions_total", "Breaker transitions by route and new state."
         )
         self.kill_switch = Gauge("kill_switch_active", "1 while a kill switch is set.")
+        self.fleet_connected = Gauge(
+            "fleet_connected", "1 while the fleet's Redis answers (fleet.killswitch on)."
+        )
         self.request_duration = Histogram(
             "request_duration_seconds", "Whole retry sequence duration, by route."
         )
@@ -227,6 +230,7 @@ class Metrics:
             self.breaker_state,
             self.breaker_transitions,
             self.kill_switch,
+            self.fleet_connected,
             self.request_duration,
             self.attempt_duration,
             self.reload_ok,

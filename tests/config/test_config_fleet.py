@@ -93,10 +93,9 @@ def test_fleet_kill_switches_without_a_redis_are_refused_where_written() -> None
     assert "fleet.redis.url" in message
 
 
-def test_fleet_kill_switches_are_refused_until_they_are_built() -> None:
-    text = doc('fleet:\n  redis: {url: "redis://h"}\n  killswitch: true\n')
-    [(line, path, message)] = issues(text)
-    assert (line, path) == (4, "fleet.killswitch") and "not available yet" in message
+def test_fleet_kill_switches_with_a_redis_are_accepted() -> None:
+    config = parse_text(doc('fleet:\n  redis: {url: "redis://h"}\n  killswitch: true\n'))
+    assert config.fleet.killswitch is True
 
 
 def test_key_prefix_and_timeout_are_checked() -> None:
@@ -113,10 +112,12 @@ def test_every_fleet_key_needs_a_restart() -> None:
         doc(
             "fleet:\n"
             '  redis: {url: "redis://h/1", key_prefix: "b:", password_env: P, timeout: 1s}\n'
+            "  killswitch: true\n"
             "idempotency: {backend: redis}\n"
         )
     )
     assert sorted(k for k, _ in needs_restart(old, new)) == [
+        "fleet.killswitch",
         "fleet.redis.key_prefix",
         "fleet.redis.password_env",
         "fleet.redis.timeout",
