@@ -92,7 +92,7 @@ def _storm_lines(route: Route) -> list[str]:
 
 
 def _idempotency_line(route: Route) -> str:
-    """What the route does with an Idempotency-Key (issue 23)."""
+    """What the route does with an Idempotency-Key."""
     idem = route.idempotency
     if not idem.enabled:
         return "  idempotency: off (the key is forwarded; idempotency: {enabled: true} enforces it)"

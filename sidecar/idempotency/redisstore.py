@@ -1,5 +1,5 @@
 """The fleet's idempotency store: keys in the Redis the sidecars share (``fleet.redis``), so a
-duplicate that a load balancer sends to another replica finds the key (issue 24).
+duplicate that a load balancer sends to another replica finds the key.
 
 One hash per key, ``<key_prefix>idem:<stored key>``: ``finished``, ``fingerprint``, ``token``,
 ``created_at``, ``expires_at`` and, once finished, the kept answer (``status``, ``headers``,

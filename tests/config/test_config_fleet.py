@@ -1,4 +1,4 @@
-"""The ``fleet:`` section (issue 24): the shared Redis, validated where it is written, and
+"""The ``fleet:`` section: the shared Redis, validated where it is written, and
 ``idempotency: {backend: redis}`` / ``fleet.killswitch`` accepted only with a Redis to use."""
 
 from __future__ import annotations

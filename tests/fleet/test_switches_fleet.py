@@ -1,4 +1,4 @@
-"""Fleet kill switches across real sidecar processes (issue 24): two or three sidecars share one
+"""Fleet kill switches across real sidecar processes: two or three sidecars share one
 real redis-server with ``fleet.killswitch: true``. A switch set through one is seen by the
 others, lifted through another is lifted everywhere, reaches a sidecar started later, survives
 a Redis killed (kept, ``fleet_connected`` 0) and converges once it is back."""

@@ -1,4 +1,4 @@
-"""A guarded write outlives its client (issue 23): the real sidecar process (uvloop, as shipped)
+"""A guarded write outlives its client: the real sidecar process (uvloop, as shipped)
 in front of a real app that counts the writes it runs. Once a write may have reached the app it
 is never given back because the client went: the exchange runs on in the background (nginx's
 ``proxy_ignore_client_abort on``), and its key is settled by the app's answer -- finished with

@@ -1,4 +1,4 @@
-"""Effectively-once writes across replicas (issue 24): two real sidecar processes keep their
+"""Effectively-once writes across replicas: two real sidecar processes keep their
 keys in one real redis-server (``idempotency: {backend: redis}``), in front of one app on
 loopback that counts the writes it runs. Duplicates split between the sidecars reach the app
 once; a paused Redis gets the route's ``on_store_error``; a Redis killed and restarted mid-traffic

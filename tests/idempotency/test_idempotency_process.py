@@ -1,4 +1,4 @@
-"""Effectively-once writes from outside (issue 23): the real sidecar process (uvloop, as shipped)
+"""Effectively-once writes from outside: the real sidecar process (uvloop, as shipped)
 in front of a real app on loopback that knows nothing of keys and counts the writes it runs.
 One test per bullet of the contract: first / replayed / 409 in progress with Retry-After / 422 /
 400 missing and malformed / 503 store error (refuse and pass), 50 concurrent duplicates over
