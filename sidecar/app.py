@@ -34,7 +34,6 @@ from sidecar.heaptrim import HeapTrimmer
 from sidecar.idempotency import service as keys
 from sidecar.idempotency.admin import idempotency_routes
 from sidecar.idempotency.durability import Checkpointed, sync_forever
-from sidecar.idempotency.holding import Holdings
 from sidecar.idempotency.outcome import IdempotencyOutcome
 from sidecar.idempotency.prune import prune_forever
 from sidecar.jsonapi import ExtraRoute
@@ -117,7 +116,6 @@ class Sidecar:
         )
         # The idempotency store: opened once a route enables idempotency (restart-only keys).
         self.keys = keys.KeyStoreService(config, self.clock, self._keys_opened)
-        self.deps.holdings = Holdings(self.clock)
         self.reloader = (
             Reloader(config_path, self.store, self.apply, self._on_reload) if config_path else None
         )
@@ -183,7 +181,7 @@ class Sidecar:
         )
 
     def _keys_opened(self, store: IdempotencyStore) -> None:
-        self.deps.idempotency = store
+        self.deps.idempotency, self.deps.holdings = store, self.keys.holdings
         self.spawn("idempotency-prune", prune_forever(store))
         if isinstance(store, Checkpointed):  # the SQLite file (Redis keeps its own durability)
             self.spawn("idempotency-sync", sync_forever(store))
@@ -457,8 +455,6 @@ class Sidecar:
         # Guarded writes whose client left run on like requests in flight, within the drain;
         # cancelled after it, their keys stay in progress until their lease (proxy/detached.py).
         await self.deps.detached.stop(drain_ends - loop.time())
-        if self.deps.holdings is not None:  # settlements still retried: left to their lease
-            await self.deps.holdings.stop()
         for task in list(self._tasks.values()):
             task.cancel()
         if self._tasks:
