@@ -182,7 +182,7 @@ class Sidecar:
         )
 
     def _keys_opened(self, store: IdempotencyStore) -> None:
-        self.deps.idempotency = store
+        self.deps.idempotency, self.deps.holdings = store, self.keys.holdings
         self.spawn("idempotency-prune", prune_forever(store))
         if isinstance(store, Checkpointed):  # the SQLite file (Redis keeps its own durability)
             self.spawn("idempotency-sync", sync_forever(store))

@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from sidecar.core import Clock
 from sidecar.idempotency import problem
 from sidecar.idempotency.answer import Answer, Forwarded, Headers
 from sidecar.idempotency.decision import retry_after
 from sidecar.idempotency.fingerprint import fingerprint, scope_digest, stored_key
+from sidecar.idempotency.holding import Holdings
 from sidecar.idempotency.keep import Disposition, dispose, kept, replay
 from sidecar.idempotency.key import BadKey, NoKey, parse_key
 from sidecar.idempotency.outcome import IdempotencyOutcome as O
@@ -85,7 +85,7 @@ def _done(task: asyncio.Task[bool]) -> None:
         log.warning("idempotency key not settled (left to its lease): %s", task.exception())
 
 
-async def _settle(call: Coroutine[Any, Any, bool]) -> bool | None:
+async def _settle(call: Awaitable[bool]) -> bool | None:
     """Complete or release a claim, to its end whatever happens to the caller; None when the
     store failed (the key is then left in progress until its lease passes)."""
     task = asyncio.ensure_future(call)
@@ -129,7 +129,12 @@ async def guarded(
     clock: Clock,
     *,
     answered: Answered | None = None,
+    holdings: Holdings | None = None,
 ) -> GuardResult:
+    """``holdings``: the process's held keys and background settlements (``app.py``'s one);
+    None: this call's own (no other claim of this process is seen)."""
+    if holdings is None:
+        holdings = Holdings(clock)
     if not policy.guards(request.method):
         return GuardResult(await forward(), None)
     parsed = parse_key(request.headers)
@@ -144,6 +149,11 @@ async def guarded(
     fp = fingerprint(request.method, request.target, request.body, scope)
     skey = stored_key(key, scope)
     lease = policy.lease_for(request.route_timeout)
+    if holdings.holds(skey):  # a live request of this process: never taken over
+        if holdings.fingerprint_of(skey) != fp:
+            return GuardResult(problem.mismatch(key), O.MISMATCH)
+        wait = retry_after(clock.wall() + holdings.lease_of(skey), clock.wall())
+        return GuardResult(problem.in_progress(key, wait), O.IN_PROGRESS)
     try:
         claim = await store.claim(skey, fp, lease)
     except StoreError as exc:
@@ -160,21 +170,37 @@ async def guarded(
     if isinstance(claim, Finished):
         assert claim.record.answer is not None
         return GuardResult(replay(key, claim.record.answer), O.REPLAYED)
-    return await _run_claimed(policy, store, skey, claim, forward, answered=answered, lease=lease)
+    holdings.take(skey, fp, lease)
+    settling = _Settling(policy, store, skey, claim, holdings)
+    try:
+        return await _run_claimed(settling, forward, answered=answered, lease=lease)
+    finally:
+        if not settling.handed_over:
+            holdings.let_go(skey)
+
+
+@dataclass(slots=True)
+class _Settling:
+    """One claim on its way to being settled."""
+
+    policy: IdempotencyPolicy
+    store: IdempotencyStore
+    skey: str
+    claim: Claimed
+    holdings: Holdings
+    handed_over: bool = False  # to a background retrier, which lets the key go at its end
 
 
 async def _run_claimed(
-    policy: IdempotencyPolicy,
-    store: IdempotencyStore,
-    skey: str,
-    claim: Claimed,
+    settling: _Settling,
     forward: Forward,
     *,
     answered: Answered | None,
     lease: float,
 ) -> GuardResult:
+    store, skey, token = settling.store, settling.skey, settling.claim.token
     renewing = asyncio.get_running_loop().create_task(
-        _renew_forever(store, skey, claim.token, lease), name=RENEW_TASK
+        _renew_forever(store, skey, token, lease), name=RENEW_TASK
     )
     try:
         forwarded = await forward()
@@ -184,7 +210,7 @@ async def _run_claimed(
         if head is not None:
             # The app's answer head came: the app acted, whatever broke after (the client
             # gone mid-body, a cancellation): its key is settled by that answer, body not kept.
-            await _settle_by(policy, store, skey, claim, head)
+            await _settle_by(settling, head)
             raise
         # Failed or cancelled half-way (a stop whose drain ran out, a bound): the request may
         # have reached the app, and nobody will hear its answer. The key is left in progress
@@ -194,27 +220,34 @@ async def _run_claimed(
         log.warning("idempotency key %r ended without an answer: in progress until its lease", skey)
         raise
     renewing.cancel()
-    return await _settle_by(policy, store, skey, claim, forwarded)
+    return await _settle_by(settling, forwarded)
 
 
-async def _settle_by(
-    policy: IdempotencyPolicy,
-    store: IdempotencyStore,
-    skey: str,
-    claim: Claimed,
-    forwarded: Forwarded,
-) -> GuardResult:
-    """Keep or release the key by the app's answer."""
+async def _settle_by(settling: _Settling, forwarded: Forwarded) -> GuardResult:
+    """Keep or release the key by the app's answer. A store error hands the settlement to a
+    background retrier (``holding``): the answer goes out now, the key is kept (or released)
+    as soon as the store takes it, and stays held, its lease renewed, until then."""
+    policy, store, skey, claim = settling.policy, settling.store, settling.skey, settling.claim
     disposition = dispose(forwarded, policy.max_response_bytes)
+    settle: Callable[[], Awaitable[bool]]
     if disposition is Disposition.RELEASE:
-        settled = await _settle(store.release(skey, claim.token))
+
+        def settle() -> Awaitable[bool]:
+            return store.release(skey, claim.token)
+
         outcome = O.RELEASED
     else:
         answer = kept(forwarded, disposition)
-        settled = await _settle(store.complete(skey, claim.token, answer, policy.ttl))
+
+        def settle() -> Awaitable[bool]:
+            return store.complete(skey, claim.token, answer, policy.ttl)
+
         outcome = O.FIRST
+    settled = await _settle(settle())
     if settled is None:
         outcome = O.STORE_ERROR
+        settling.holdings.settle_later(store, skey, claim.token, settle, policy.ttl)
+        settling.handed_over = True
     elif claim.took_over:
         outcome = O.LEASE_EXPIRED  # counted whatever came of it: the at-least-once window
     return GuardResult(forwarded, outcome)

@@ -15,8 +15,11 @@ One hash per key, ``<key_prefix>idem:<stored key>``: ``finished``, ``fingerprint
   atomic on the server.
 - ``get`` / ``forget``: ``HGETALL`` / ``DEL``.
 
-Times are the caller's wall clock (as for a SQLite file that processes share): expiry stamps
-are compared by ``decide``; Redis's own expiry uses durations only. Every call is bounded by
+Times are the server's clock (``TIME``: read inside the claim's ``WATCH`` round, and inside
+the complete and renew scripts where they write an expiry), so replicas need not agree on
+their wall clocks: expiry stamps are compared by ``decide`` against Redis's ``now``; Redis's
+own expiry uses durations only. (A ``Busy``'s expiry is told on the caller's wall clock.)
+Every call is bounded by
 ``fleet.redis.timeout`` (``FleetLink``); past it, or while the link pauses after a failure, the
 call is a ``StoreError`` and the route's ``on_store_error`` applies. A claim that timed out or
 was cancelled after it was sent is undone: its token is released (and once more a timeout
@@ -50,22 +53,32 @@ from sidecar.idempotency.store import (
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
+    from redis.asyncio.client import Pipeline
 
 T = TypeVar("T")
 ROUNDS = 50  # optimistic rounds of one claim before it counts as a store error
 
-# KEYS[1]: the key; ARGV: token, created_at, expires_at, status, headers, body, kept, size, px
-_COMPLETE = """
+# The server's clock, in seconds (``TIME``: seconds and microseconds), as a string of the
+# exact decimal (Lua's tostring would round to 14 digits).
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+"""
+# KEYS[1]: the key; ARGV: token, ttl (seconds), status, headers, body, kept, size, px
+_COMPLETE = (
+    _NOW
+    + """
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1]
    or redis.call('HGET', KEYS[1], 'finished') ~= '0' then
   return 0
 end
-redis.call('HSET', KEYS[1], 'finished', '1', 'token', '', 'created_at', ARGV[2],
-  'expires_at', ARGV[3], 'status', ARGV[4], 'headers', ARGV[5], 'body', ARGV[6],
-  'kept', ARGV[7], 'size', ARGV[8])
-redis.call('PEXPIRE', KEYS[1], ARGV[9])
+redis.call('HSET', KEYS[1], 'finished', '1', 'token', '', 'created_at', string.format('%.6f', now),
+  'expires_at', string.format('%.6f', now + tonumber(ARGV[2])), 'status', ARGV[3],
+  'headers', ARGV[4], 'body', ARGV[5], 'kept', ARGV[6], 'size', ARGV[7])
+redis.call('PEXPIRE', KEYS[1], ARGV[8])
 return 1
 """
+)
 # KEYS[1]: the key; ARGV[1]: the token
 _RELEASE = """
 if redis.call('HGET', KEYS[1], 'token') == ARGV[1]
@@ -74,16 +87,19 @@ if redis.call('HGET', KEYS[1], 'token') == ARGV[1]
 end
 return 0
 """
-# KEYS[1]: the key; ARGV: token, expires_at, px (the lease's end plus the abandoned keep)
-_RENEW = """
+# KEYS[1]: the key; ARGV: token, lease (seconds), px (the lease plus the abandoned keep)
+_RENEW = (
+    _NOW
+    + """
 if redis.call('HGET', KEYS[1], 'token') == ARGV[1]
    and redis.call('HGET', KEYS[1], 'finished') == '0' then
-  redis.call('HSET', KEYS[1], 'expires_at', ARGV[2])
+  redis.call('HSET', KEYS[1], 'expires_at', string.format('%.6f', now + tonumber(ARGV[2])))
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
   return 1
 end
 return 0
 """
+)
 
 
 def _ms(seconds: float) -> int:
@@ -175,10 +191,12 @@ class RedisIdempotencyStore:
                     try:
                         await pipe.watch(name)
                         fields = await pipe.hgetall(name)
-                        now = self._clock.wall()
+                        now = await self._server_now(pipe)
                         decision = decide(_state(fields), fingerprint, now)
                         if decision is Decision.IN_PROGRESS:
-                            return Busy(float(_text(fields, "expires_at")))
+                            # The holder's lease end, told on this sidecar's wall clock.
+                            left = float(_text(fields, "expires_at")) - now
+                            return Busy(self._clock.wall() + left)
                         if decision is Decision.MISMATCH:
                             return Mismatch()
                         if decision is Decision.REPLAYED:
@@ -208,6 +226,11 @@ class RedisIdempotencyStore:
             self._undo(key, token)  # the claim may have reached Redis after all
             raise
 
+    async def _server_now(self, pipe: Pipeline) -> float:
+        """The server's clock (``TIME``), in the claim's ``WATCH`` round: not ours."""
+        seconds, micros = await pipe.time()
+        return float(seconds + micros / 1_000_000)
+
     def _undo(self, key: str, token: str) -> None:
         task = asyncio.get_running_loop().create_task(self._undo_claim(key, token))
         self._undos.add(task)
@@ -222,12 +245,10 @@ class RedisIdempotencyStore:
                 await asyncio.sleep(self._link.timeout)
 
     async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> bool:
-        now = self._clock.wall()
         pairs = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in answer.headers]
         args: list[bytes | str] = [
             token,
-            repr(now),
-            repr(now + ttl),
+            repr(float(ttl)),
             str(answer.status),
             json.dumps(pairs),
             answer.body if answer.body is not None else b"",
@@ -246,7 +267,7 @@ class RedisIdempotencyStore:
 
     async def renew(self, key: str, token: str, lease: float) -> bool:
         name = self._name(key)
-        args = [token, repr(self._clock.wall() + lease), str(_ms(lease + self._abandoned_keep))]
+        args = [token, repr(float(lease)), str(_ms(lease + self._abandoned_keep))]
         done = await self._call(lambda c: self._renew(keys=[name], args=args, client=c))
         return bool(done)
 

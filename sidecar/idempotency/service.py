@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from sidecar.config.fleet import FleetRedis
 from sidecar.config.model import Config
 from sidecar.core import Clock
+from sidecar.idempotency.holding import Holdings
 from sidecar.idempotency.store import IdempotencyStore
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ class KeyStoreService:
         self._clock = clock
         self._on_open = on_open
         self.store: IdempotencyStore | None = None
+        # The keys this process holds and the settlements it retries: stopped before the close.
+        self.holdings = Holdings(clock)
         self._closing: Callable[[], Awaitable[None]] | None = None  # the open store's close
         self._lock = asyncio.Lock()
 
@@ -123,6 +126,9 @@ class KeyStoreService:
             await asyncio.sleep(delay)
 
     async def close(self) -> None:
+        """The settlements still retried cancelled (their keys left to their lease), then the
+        store closed."""
+        await self.holdings.stop()
         closing, self._closing = self._closing, None
         self.store = None
         if closing is not None:

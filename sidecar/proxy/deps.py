@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from sidecar.config.store import ConfigStore
 from sidecar.engine.deps import EngineDeps
+from sidecar.idempotency.holding import Holdings
 from sidecar.idempotency.store import IdempotencyStore
 from sidecar.proxy.detached import DetachedWrites
 from sidecar.proxy.tunnel import Tunnels
@@ -28,5 +29,7 @@ class ProxyDeps(EngineDeps):
     # their route's on_store_error.
     idempotency: IdempotencyStore | None = None
     idempotency_result: Callable[[str, str], None] = lambda route, result: None
+    # The keys this process holds and the settlements it retries (app.py stops them).
+    holdings: Holdings | None = None
     # Guarded writes in flight, run on when their client leaves; the app waits for them at stop.
     detached: DetachedWrites = field(default_factory=DetachedWrites)

@@ -162,6 +162,7 @@ async def run_guarded(ctx: RequestContext, intake: Intake) -> web.StreamResponse
             forward,
             deps.clock,
             answered=lambda: head_of(ctx, held),
+            holdings=deps.holdings,
         )
         if got.outcome is not None:
             deps.idempotency_result(route.name, got.outcome.value)

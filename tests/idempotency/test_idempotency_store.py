@@ -162,7 +162,7 @@ def test_release_and_complete_are_compare_and_set_on_the_token(with_store: WithS
     with_store(main)
 
 
-def test_renew_moves_the_lease_of_its_holder_only(with_store: WithStore, clock: FakeClock) -> None:
+def test_renew_moves_the_lease_of_its_holder_only(run: Run, db: Path, clock: FakeClock) -> None:
     """The holder's heartbeat: a compare-and-set on the token, in progress only (both
     backends)."""
 
@@ -183,11 +183,15 @@ def test_renew_moves_the_lease_of_its_holder_only(with_store: WithStore, clock: 
         record = await store.get("k")
         assert record is not None and record.finished and record.expires_at == clock.wall() + 60
 
-    with_store(main)
+    store = opened(db, clock)  # on a clock the test moves (Redis's: test_idempotency_redis.py)
+    try:
+        run(lambda: main(store))
+    finally:
+        store.close()
 
 
 def test_a_dead_holders_lease_is_taken_over_and_its_late_answer_refused(
-    with_store: WithStore, clock: FakeClock
+    run: Run, db: Path, clock: FakeClock
 ) -> None:
     async def main(store: IdempotencyStore) -> None:
         dead = await store.claim("k", "fp", 5.0)
@@ -204,7 +208,11 @@ def test_a_dead_holders_lease_is_taken_over_and_its_late_answer_refused(
         again = await store.claim("k", "other", 5.0)
         assert isinstance(again, Claimed) and not again.took_over
 
-    with_store(main)
+    store = opened(db, clock)  # on a clock the test moves (Redis's: test_idempotency_redis.py)
+    try:
+        run(lambda: main(store))
+    finally:
+        store.close()
 
 
 def test_concurrent_claims_from_coroutines_give_exactly_one_claim(with_store: WithStore) -> None:

@@ -46,6 +46,7 @@ FACES: dict[tuple[str, str], frozenset[str]] = {
     ("proxy", "idempotency"): frozenset(
         {
             "sidecar.idempotency.guard",
+            "sidecar.idempotency.holding",
             "sidecar.idempotency.answer",
             "sidecar.idempotency.outcome",
             "sidecar.idempotency.policy",

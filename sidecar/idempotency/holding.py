@@ -1,0 +1,122 @@
+"""The keys this process holds, and the settlements it carries on in the background.
+
+A key is *held* from its claim to the end of its claim (kept, released, its settlement given
+up, or its request cancelled without an answer). A claim of a held key is ``Busy`` without
+asking the store's expiry: a live request of this process is never taken over, whatever the
+wall clock says (an NTP step, a store whose lease stamps another clock wrote).
+
+A settlement (``complete`` or ``release``) that failed with a store error (a Redis stall as the
+app answers) is handed to a background retrier (``settle_later``): it renews the lease, so a
+duplicate meanwhile gets 409, and tries the settlement again with a backoff until it lands, the
+key is not ours any more, or its bound passes (the key's ttl), or the process stops
+(``stop``: every retrier cancelled, and its key let go). Only while the sidecar lives: a
+sidecar that dies with a retrier running leaves the key in progress until its lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from sidecar.core import Clock
+from sidecar.idempotency.store import IdempotencyStore, StoreError
+
+log = logging.getLogger("sidecar.idempotency")
+
+RETRY_FIRST = 0.1  # seconds before the first retry of a settlement; doubled each time
+RETRIER_TASK = "idempotency-settle"
+
+Settle = Callable[[], Awaitable[bool]]
+
+
+def retry_delay(failures: int, lease: float) -> float:
+    """The pause after ``failures`` failed settlements: 0.1 s doubling, never longer than a
+    third of the lease, so the lease is renewed before it can run out. Pure."""
+    cap = max(RETRY_FIRST, lease / 3)
+    return float(min(cap, RETRY_FIRST * 2 ** max(0, failures - 1)))
+
+
+class Holdings:
+    """The held keys (each with its lease) and the background settlements of one process."""
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._held: dict[str, tuple[str, float]] = {}  # key: (fingerprint, lease)
+        self._retriers: set[asyncio.Task[None]] = set()
+        self.given_up = 0  # settlements that never landed within their bound
+
+    def holds(self, key: str) -> bool:
+        return key in self._held
+
+    def fingerprint_of(self, key: str) -> str:
+        return self._held[key][0]
+
+    def lease_of(self, key: str) -> float:
+        return self._held[key][1]
+
+    def take(self, key: str, fingerprint: str, lease: float) -> None:
+        self._held[key] = (fingerprint, lease)
+
+    def let_go(self, key: str) -> None:
+        self._held.pop(key, None)
+
+    @property
+    def held(self) -> frozenset[str]:
+        return frozenset(self._held)
+
+    @property
+    def retrying(self) -> int:
+        return len(self._retriers)
+
+    def settle_later(
+        self, store: IdempotencyStore, key: str, token: str, settle: Settle, bound: float
+    ) -> None:
+        """Retry ``settle`` in the background until it lands (the key stays held meanwhile and
+        its lease renewed), for at most ``bound`` seconds."""
+        if key not in self._held:  # not held (never, or let go already): nothing to carry on
+            return
+        ends = self._clock.monotonic() + bound
+        task = asyncio.get_running_loop().create_task(
+            self._retry(store, key, token, settle, ends), name=RETRIER_TASK
+        )
+        self._retriers.add(task)
+        task.add_done_callback(self._retriers.discard)
+
+    async def _retry(
+        self, store: IdempotencyStore, key: str, token: str, settle: Settle, ends: float
+    ) -> None:
+        lease = self.lease_of(key)
+        failures = 1
+        try:
+            while self._clock.monotonic() < ends:
+                await asyncio.sleep(retry_delay(failures, lease))
+                try:
+                    await settle()  # True: landed; False: not ours any more. Either way done.
+                    log.info("idempotency key %r settled after %d tries", key, failures + 1)
+                    return
+                except StoreError:
+                    failures += 1
+                try:
+                    if not await store.renew(key, token, lease):
+                        return  # taken over or forgotten: nothing left to settle
+                except StoreError:
+                    pass
+            self.given_up += 1
+            log.warning(
+                "idempotency key %r not settled within its bound (%d tries): in progress "
+                "until its lease",
+                key,
+                failures,
+            )
+        finally:
+            self.let_go(key)
+
+    async def stop(self) -> None:
+        """Cancel every retrier (at process stop) and wait for them: their keys let go, left
+        in progress until their lease."""
+        tasks = set(self._retriers)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
