@@ -10,7 +10,7 @@ as ``?scope=<hex digest>`` (the header's value itself never reaches the store or
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -55,33 +55,35 @@ def idempotency_routes(opened: Callable[[], IdempotencyStore | None]) -> list[Ex
     def unavailable() -> web.Response:
         return error(503, "no idempotency store is open: no route has idempotency.enabled")
 
-    async def show(request: web.Request) -> web.Response:
+    async def on_key(
+        request: web.Request, act: Callable[[IdempotencyStore, str], Awaitable[web.Response | None]]
+    ) -> web.Response:
+        """The key named by the path, in the open store: ``act``'s answer, or 404 for None."""
         key, store = where(request), opened()
         if not isinstance(key, str):
             return key
         if store is None:
             return unavailable()
         try:
-            record = await store.get(key)
+            answer = await act(store, key)
         except StoreError as exc:
             return error(503, f"the idempotency store failed: {exc}")
-        if record is None:
+        if answer is None:
             return error(404, "no such key (never seen, expired, or forgotten)")
-        return web.json_response(record_json(record))
+        return answer
+
+    async def shown(store: IdempotencyStore, key: str) -> web.Response | None:
+        record = await store.get(key)
+        return None if record is None else web.json_response(record_json(record))
+
+    async def forgotten(store: IdempotencyStore, key: str) -> web.Response | None:
+        return web.json_response({"forgotten": key}) if await store.forget(key) else None
+
+    async def show(request: web.Request) -> web.Response:
+        return await on_key(request, shown)
 
     async def forget(request: web.Request) -> web.Response:
-        key, store = where(request), opened()
-        if not isinstance(key, str):
-            return key
-        if store is None:
-            return unavailable()
-        try:
-            gone = await store.forget(key)
-        except StoreError as exc:
-            return error(503, f"the idempotency store failed: {exc}")
-        if not gone:
-            return error(404, "no such key (never seen, expired, or forgotten)")
-        return web.json_response({"forgotten": key})
+        return await on_key(request, forgotten)
 
     return [
         ("GET", "/idempotency/{id}", show, True),
