@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -11,7 +10,7 @@ import aiohttp
 import pytest
 
 from tests.conftest import reply, routes_yaml
-from tests.proc import SidecarProcess, free_port, run_until_line_then_kill
+from tests.proc import SidecarProcess, free_port
 
 
 async def test_run_proxies_with_retries_and_exits_cleanly_on_sigterm(upstream_factory, tmp_path):
@@ -100,28 +99,3 @@ def test_free_port_never_hands_out_the_same_port_twice(monkeypatch):
     monkeypatch.setattr(random, "randrange", lambda lo, hi: next(picks))
     monkeypatch.setattr(proc, "_handed_out", set())
     assert (proc.free_port(), proc.free_port()) == (24001, 24002)
-
-
-# Writes its PID to the first file named, prints other output, then the line; were it let go
-# rather than killed (its stdin closed), it would write the second file before exiting.
-UNTIL_KILLED = """
-import os, sys
-open(sys.argv[1], "w").write(str(os.getpid()))
-print("warming up", flush=True)
-print("ready", flush=True)
-sys.stdin.readline()
-open(sys.argv[2], "w").write("exited cleanly")
-"""
-
-
-def test_run_until_line_then_kill_reads_past_other_lines_then_kills_and_reaps(tmp_path):
-    pid_file, after = tmp_path / "pid", tmp_path / "after"
-    run_until_line_then_kill(UNTIL_KILLED, str(pid_file), str(after), line=b"ready\n")
-    assert not after.exists()  # SIGKILLed at the line, not let go
-    with pytest.raises(ProcessLookupError):  # and reaped: no zombie left under its PID
-        os.kill(int(pid_file.read_text()), 0)
-
-
-def test_run_until_line_then_kill_fails_when_the_process_ends_without_the_line():
-    with pytest.raises(AssertionError, match="warming up"):
-        run_until_line_then_kill('print("warming up")', line=b"ready\n")
