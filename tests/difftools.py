@@ -490,16 +490,35 @@ def start_gunicorn(port: int) -> subprocess.Popen[bytes]:
     return run_gunicorn(port, "httpbin:app", *threaded, ready="/status/200")
 
 
-NGINX_CONF = """
+# What every nginx run here has: one worker in the foreground, its files under its root, no
+# access log; ``{http}`` is the rest of its http block.
+NGINX_MAIN = """
 worker_processes 1;
 daemon off;
 pid {root}/nginx.pid;
 error_log {root}/error.log warn;
-events {{ worker_connections 256; }}
+events {{ worker_connections {connections}; }}
 http {{
   access_log off;
   client_body_temp_path {root}/cb; proxy_temp_path {root}/pt; fastcgi_temp_path {root}/ft;
   uwsgi_temp_path {root}/ut; scgi_temp_path {root}/st;
+{http}}}
+"""
+
+
+def run_nginx(root: Path, http: str, connections: int = 256) -> subprocess.Popen[bytes]:
+    """nginx with ``http`` (the rest of its http block) as ``root``/nginx.conf, its files
+    under ``root``; not waited for."""
+    conf = root / "nginx.conf"
+    conf.write_text(NGINX_MAIN.format(root=root, connections=connections, http=http))
+    return subprocess.Popen(
+        ["nginx", "-c", str(conf), "-p", str(root)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+NGINX_CONF = """\
   types {{ text/plain txt; application/octet-stream bin; text/html html; }}
   keepalive_timeout 30s;
   if_modified_since before;
@@ -523,7 +542,6 @@ http {{
     location = /ngx/teapot {{ return 418 "short and stout\\n"; }}
     location /ngx/ {{ }}
   }}
-}}
 """
 
 
@@ -537,13 +555,7 @@ def start_nginx(port: int, root: Path) -> subprocess.Popen[bytes]:
     (www / "files" / "utf8-ü.txt").write_bytes("ü\n".encode())
     (www / "gz" / "text.txt").write_bytes(b"compress me " * 2000)
     (www / "index.html").write_bytes(b"<p>index</p>\n")
-    conf = root / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(root=root, port=port))
-    proc = subprocess.Popen(
-        ["nginx", "-c", str(conf), "-p", str(root)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    proc = run_nginx(root, NGINX_CONF.format(root=root, port=port))
     wait_http(port, "/ngx/files/small.txt", proc, "nginx")
     return proc
 
@@ -762,16 +774,7 @@ def send_in_pieces(port: int, pieces: list[bytes], timeout: float = 30.0) -> byt
             out += chunk
 
 
-NGINX_PROXY_CONF = """
-worker_processes 1;
-daemon off;
-pid {root}/nginx.pid;
-error_log {root}/error.log warn;
-events {{ worker_connections {connections}; }}
-http {{
-  access_log off;
-  client_body_temp_path {root}/cb; proxy_temp_path {root}/pt; fastcgi_temp_path {root}/ft;
-  uwsgi_temp_path {root}/ut; scgi_temp_path {root}/st;
+NGINX_PROXY_CONF = """\
   client_max_body_size {max_body};
   keepalive_timeout 30s;
   server {{
@@ -789,7 +792,6 @@ http {{
       proxy_set_header Connection "";
     }}
   }}
-}}
 """
 
 
@@ -806,21 +808,7 @@ def start_nginx_proxy(
     or package server behind nginx is configured); ``connections``: its worker_connections
     (a proxied request holds two)."""
     root.mkdir(parents=True, exist_ok=True)
-    conf = root / "nginx.conf"
-    conf.write_text(
-        NGINX_PROXY_CONF.format(
-            root=root,
-            port=port,
-            upstream=upstream,
-            raw=raw,
-            max_body=max_body,
-            connections=connections,
-        )
-    )
-    proc = subprocess.Popen(
-        ["nginx", "-c", str(conf), "-p", str(root)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    http = NGINX_PROXY_CONF.format(port=port, upstream=upstream, raw=raw, max_body=max_body)
+    proc = run_nginx(root, http, connections)
     wait_port(port, proc, "nginx proxy")
     return proc

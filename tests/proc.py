@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from pathlib import Path
 # not bound yet: ``port, admin = free_port(), free_port()`` could get the same port twice
 # (1 in 12000 a pair; a suite has dozens of pairs), and the second listener fail to start.
 _handed_out: set[int] = set()
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout a child process imports sidecar from
 
 
 def free_port() -> int:
@@ -110,3 +113,35 @@ async def start_process(tmp_path: Path, body: str) -> tuple[SidecarProcess, int,
         proc.terminate()
         raise
     return proc, port, admin
+
+
+def run_until_line_then_kill(script: str, *args: str, line: bytes, timeout: float = 60.0) -> None:
+    """Run ``python -c script *args`` on this checkout, read its output until ``line`` (a whole
+    line, newline included) comes, then SIGKILL it by PID: no clean exit, no atexit, no close.
+    Fails if it ends (or ``timeout`` s pass: it is killed then) without that line. The
+    process is always killed and reaped, whatever happens while reading."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *args],
+        stdin=subprocess.PIPE,  # held open: a script may block reading it until killed
+        stdout=subprocess.PIPE,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    # Killing it ends the read below (end of file), so a script that hangs silent fails.
+    watchdog = threading.Timer(timeout, proc.kill)
+    watchdog.start()
+    seen: list[bytes] = []
+    try:
+        assert proc.stdout is not None
+        for got in iter(proc.stdout.readline, b""):
+            if got == line:
+                return
+            seen.append(got)
+        raise AssertionError(f"the process ended without printing {line!r}; it printed {seen}")
+    finally:
+        watchdog.cancel()
+        proc.kill()  # SIGKILL, by its PID, unless it is already reaped
+        proc.wait(timeout=30)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()

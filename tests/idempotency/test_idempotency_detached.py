@@ -28,6 +28,7 @@ from tests.idempotency.test_idempotency_process import (
 )
 from tests.idempotency.test_idempotency_process import proc_stack as proc_stack
 from tests.wait import until, until_async
+from tests.webserver import serve
 
 pytestmark = pytest.mark.slow
 
@@ -64,16 +65,9 @@ class GatedApp:
 @pytest.fixture
 async def app() -> AsyncIterator[GatedApp]:
     ga = GatedApp()
-    web_app = web.Application()
-    web_app.router.add_route("*", "/{tail:.*}", ga.handle)
-    runner = web.AppRunner(web_app, access_log=None, shutdown_timeout=0.2)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    ga.port = int(runner.addresses[0][1])
-    yield ga
-    ga.gate.set()
-    await runner.cleanup()
+    async with serve(ga.handle) as ga.port:
+        yield ga
+        ga.gate.set()  # a handler held at the gate ends before the server is cleaned up
 
 
 async def key_state(admin: int, key: str) -> str | None:

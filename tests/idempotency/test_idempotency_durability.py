@@ -7,12 +7,8 @@ write lock, runs only after writes, and is a named task of the sidecar, cancelle
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
-import signal
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,9 +20,9 @@ from sidecar.idempotency.sqlite import SqliteIdempotencyStore
 from sidecar.idempotency.store import Claimed, StoreError
 from sidecar.testing import FakeClock
 from tests.conftest import routes_yaml
+from tests.proc import run_until_line_then_kill
 from tests.wait import until
 
-ROOT = Path(__file__).resolve().parents[2]
 ANSWER = KeptAnswer(201, ((b"Content-Type", b"application/json"),), b'{"id": 7}')
 
 
@@ -180,19 +176,7 @@ uvloop.run(main())
 
 def test_an_acknowledged_answer_survives_a_sigkill_of_its_process(db: Path) -> None:
     """No clean close, no checkpoint: the committed WAL is in the OS page cache."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", KILLED, str(db)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline() == b"acknowledged\n"
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+    run_until_line_then_kill(KILLED, str(db), line=b"acknowledged\n")
     store = opened(db)
 
     async def main() -> None:

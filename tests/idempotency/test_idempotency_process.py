@@ -22,6 +22,7 @@ from aiohttp import web
 from tests.proc import SidecarProcess, start_process
 from tests.rawhttp import raw_request
 from tests.wait import until, until_async
+from tests.webserver import serve
 
 pytestmark = pytest.mark.slow
 
@@ -55,17 +56,10 @@ class WriteApp:
 @pytest.fixture
 async def app() -> AsyncIterator[WriteApp]:
     wa = WriteApp()
-    web_app = web.Application()
-    web_app.router.add_route("*", "/{tail:.*}", wa.handle)
-    runner = web.AppRunner(web_app, access_log=None, shutdown_timeout=0.2)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    wa.port = int(runner.addresses[0][1])
-    yield wa
-    if wa.gate is not None:
-        wa.gate.set()
-    await runner.cleanup()
+    async with serve(wa.handle) as wa.port:
+        yield wa
+        if wa.gate is not None:
+            wa.gate.set()  # a handler held at the gate ends before the server is cleaned up
 
 
 def config(app: WriteApp, tmp_path: Path, idem: str = "{enabled: true}", extra: str = "") -> str:

@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import sqlite3
 import stat
-import subprocess
-import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from contextlib import ExitStack
@@ -36,9 +33,9 @@ from sidecar.idempotency.store import (
     StoreError,
 )
 from sidecar.testing import FakeClock
+from tests.proc import run_until_line_then_kill
 from tests.redisserver import running
 
-ROOT = Path(__file__).resolve().parents[2]
 Run = Callable[[Callable[[], Awaitable[Any]]], Any]
 WithStore = Callable[[Callable[[IdempotencyStore], Awaitable[Any]]], Any]
 ANSWER = KeptAnswer(201, ((b"Content-Type", b"application/json"),), b'{"id": 7}')
@@ -425,19 +422,7 @@ def test_a_writer_killed_mid_transaction_leaves_no_key_or_a_whole_one(
     run: Run, db: Path, clock: FakeClock, commit: bool
 ) -> None:
     db.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", KILLED, str(db), "commit" if commit else "hold"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline() == b"written\n"
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+    run_until_line_then_kill(KILLED, str(db), "commit" if commit else "hold", line=b"written\n")
     store = opened(db, clock)
 
     async def main() -> None:

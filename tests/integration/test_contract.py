@@ -15,6 +15,7 @@ from aiohttp import web
 
 from tests.proc import free_port, start_process
 from tests.wait import until
+from tests.webserver import serve
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "config" / "sidecar.yaml"
@@ -106,73 +107,66 @@ async def test_a_kill_switch_set_during_a_backoff_answers_with_a_documented_erro
         seen.append(request.path)
         return web.Response(status=503, text="down")
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    up_port = runner.addresses[0][1]
-    sc, port, admin = await start_process(
-        tmp_path,
-        f"""routes:
+    async with serve(handle) as up_port:
+        sc, port, admin = await start_process(
+            tmp_path,
+            f"""routes:
   - name: main
     upstream: "http://127.0.0.1:{up_port}"
     timeout: 5m
     retry: {{attempts: 3, backoff: {{strategy: constant, base: 60s, max: 60s}}}}
 """,
-    )
-    try:
-        async with aiohttp.ClientSession() as client:
-            pending = asyncio.create_task(client.get(f"http://127.0.0.1:{port}/x"))
-            await until(lambda: len(seen) == 1, "the first attempt")
-            # Its answer has been judged once the attempt is counted: the sequence then sleeps
-            # out its 60 s backoff (nothing is awaited between the two).
-            judged = False
-
-            async def attempt_counted() -> None:
-                nonlocal judged
-                async with client.get(f"http://127.0.0.1:{admin}/metrics") as m:
-                    judged = (
-                        'retry_sidecar_attempts_total{route="main",outcome="503"} 1'
-                        in await m.text()
-                    )
-
-            for _ in range(1500):
-                await asyncio.wait_for(attempt_counted(), 15)
-                if judged:
-                    break
-                await asyncio.sleep(0.01)
-            assert judged, "the first attempt was never counted"
-            async with client.put(
-                f"http://127.0.0.1:{admin}/killswitch",
-                json={"scope": "route:main", "ttl": "15m", "reason": "INC-1"},
-            ) as r:
-                assert r.status == 200
-            resp = await asyncio.wait_for(pending, 30)
-            body = await resp.json()
-            resp.release()
-        assert seen == ["/x"]  # the scheduled retry was not sent
-        assert resp.status == 503
-        assert resp.headers["x-retry-fate"] == "kill-switch"
-        code = resp.headers["x-retry-proxy-error"]
-        assert code == "kill-switch"
-        assert code in _proxy_error_codes_in_readme()
-        assert resp.headers["Proxy-Status"] == (
-            "retry-sidecar; error=destination_unavailable; received-status=503"
         )
-        assert body["fate"] == "kill-switch" and body["attempts"] == 1
-        assert "kill switch" in body["error"]
-        # The retry never went out: not counted, and its retry-budget token was given back.
-        async with aiohttp.ClientSession() as client:
-            async with client.get(f"http://127.0.0.1:{admin}/metrics") as m:
-                assert 'retry_sidecar_retries_total{route="main"} 1' not in await m.text()
-            async with client.get(f"http://127.0.0.1:{admin}/status") as st:
-                [route] = (await st.json())["routes"]
-                assert route["budget_retries"] == 0
-    finally:
-        sc.terminate()
-        await runner.cleanup()
+        try:
+            async with aiohttp.ClientSession() as client:
+                pending = asyncio.create_task(client.get(f"http://127.0.0.1:{port}/x"))
+                await until(lambda: len(seen) == 1, "the first attempt")
+                # Its answer has been judged once the attempt is counted: the sequence then sleeps
+                # out its 60 s backoff (nothing is awaited between the two).
+                judged = False
+
+                async def attempt_counted() -> None:
+                    nonlocal judged
+                    async with client.get(f"http://127.0.0.1:{admin}/metrics") as m:
+                        judged = (
+                            'retry_sidecar_attempts_total{route="main",outcome="503"} 1'
+                            in await m.text()
+                        )
+
+                for _ in range(1500):
+                    await asyncio.wait_for(attempt_counted(), 15)
+                    if judged:
+                        break
+                    await asyncio.sleep(0.01)
+                assert judged, "the first attempt was never counted"
+                async with client.put(
+                    f"http://127.0.0.1:{admin}/killswitch",
+                    json={"scope": "route:main", "ttl": "15m", "reason": "INC-1"},
+                ) as r:
+                    assert r.status == 200
+                resp = await asyncio.wait_for(pending, 30)
+                body = await resp.json()
+                resp.release()
+            assert seen == ["/x"]  # the scheduled retry was not sent
+            assert resp.status == 503
+            assert resp.headers["x-retry-fate"] == "kill-switch"
+            code = resp.headers["x-retry-proxy-error"]
+            assert code == "kill-switch"
+            assert code in _proxy_error_codes_in_readme()
+            assert resp.headers["Proxy-Status"] == (
+                "retry-sidecar; error=destination_unavailable; received-status=503"
+            )
+            assert body["fate"] == "kill-switch" and body["attempts"] == 1
+            assert "kill switch" in body["error"]
+            # The retry never went out: not counted, and its retry-budget token was given back.
+            async with aiohttp.ClientSession() as client:
+                async with client.get(f"http://127.0.0.1:{admin}/metrics") as m:
+                    assert 'retry_sidecar_retries_total{route="main"} 1' not in await m.text()
+                async with client.get(f"http://127.0.0.1:{admin}/status") as st:
+                    [route] = (await st.json())["routes"]
+                    assert route["budget_retries"] == 0
+        finally:
+            sc.terminate()
 
 
 async def test_a_backoff_sleep_wakes_only_for_a_switch_that_covers_its_route() -> None:
@@ -312,16 +306,11 @@ async def test_a_pool_wait_ended_by_the_per_try_timeout_is_not_called_a_deadline
             await release.wait()
         return web.Response(text="ok")
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.2)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    up = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    sc, port, _admin = await start_process(
-        tmp_path,
-        f"""upstream_pool: {{max_connections: 1, wait_timeout: 60s}}
+    async with serve(handle) as up_port:
+        up = f"http://127.0.0.1:{up_port}"
+        sc, port, _admin = await start_process(
+            tmp_path,
+            f"""upstream_pool: {{max_connections: 1, wait_timeout: 60s}}
 defaults:
   timeout: 5m
   retry: {{attempts: 2, per_try_timeout: 300ms, backoff: {{strategy: constant, base: 1ms, max: 1ms}}}}
@@ -334,19 +323,18 @@ routes:
   - name: main
     upstream: "{up}"
 """,
-    )
-    try:
-        async with aiohttp.ClientSession() as client:
-            holding = asyncio.create_task(client.get(f"http://127.0.0.1:{port}/hold"))
-            await until(lambda: seen == ["/hold"], "the one pooled connection to be busy")
-            async with client.get(f"http://127.0.0.1:{port}/x") as resp:
-                body = await resp.json()
-                status, headers = resp.status, resp.headers
-            release.set()
-            (await holding).release()
-    finally:
-        sc.terminate()
-        await runner.cleanup()
+        )
+        try:
+            async with aiohttp.ClientSession() as client:
+                holding = asyncio.create_task(client.get(f"http://127.0.0.1:{port}/hold"))
+                await until(lambda: seen == ["/hold"], "the one pooled connection to be busy")
+                async with client.get(f"http://127.0.0.1:{port}/x") as resp:
+                    body = await resp.json()
+                    status, headers = resp.status, resp.headers
+                release.set()
+                (await holding).release()
+        finally:
+            sc.terminate()
     assert seen == ["/hold"]  # /x never got a connection
     assert status == 504
     assert headers["x-retry-fate"] == "exhausted"

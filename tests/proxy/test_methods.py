@@ -29,16 +29,7 @@ from tests.proc import SidecarProcess, free_port
 from tests.rawhttp import raw_request, raw_server, read_head
 from tests.wait import until
 
-NGINX_PROXY_CONF = """
-worker_processes 1;
-daemon off;
-pid {root}/nginx.pid;
-error_log {root}/error.log warn;
-events {{ worker_connections 64; }}
-http {{
-  access_log off;
-  client_body_temp_path {root}/cb; proxy_temp_path {root}/pt; fastcgi_temp_path {root}/ft;
-  uwsgi_temp_path {root}/ut; scgi_temp_path {root}/st;
+NGINX_PROXY_CONF = """\
   server {{
     listen 127.0.0.1:{port};
     location / {{
@@ -48,7 +39,6 @@ http {{
       proxy_pass_header Server;
     }}
   }}
-}}
 """
 
 # (name, request bytes with {host}, the methods of the responses expected)
@@ -83,15 +73,8 @@ def sites() -> Iterator[tuple[int, int]]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         procs.append(d.start_gunicorn(bin_port))
-        conf = tmp / "nginx.conf"
-        conf.write_text(NGINX_PROXY_CONF.format(root=tmp, port=ngx_port, upstream=bin_port))
-        procs.append(
-            subprocess.Popen(
-                ["nginx", "-c", str(conf), "-p", str(tmp)],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-            )
-        )
+        conf = NGINX_PROXY_CONF.format(port=ngx_port, upstream=bin_port)
+        procs.append(d.run_nginx(tmp, conf, connections=64))
         d.wait_http(ngx_port, "/status/200", procs[-1], "nginx")
         cfg = tmp / "sidecar.yaml"
         cfg.write_text(
