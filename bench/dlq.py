@@ -21,12 +21,20 @@ from bench.dlq_crash import failing_upstream, run_rounds
 from tests.proc import SidecarProcess, free_port
 
 
-def config(up_port: int, port: int, admin_port: int, db: Path) -> str:
+def sqlite_dlq(directory: Path) -> str:
+    """The ``dlq:`` section that keeps the records in a SQLite file in ``directory``, bounds
+    raised out of the way. The only section ``config`` takes today; another store is another
+    function returning its own section."""
+    db = directory / "dlq.sqlite3"
+    return f'dlq: {{path: "{db}", max_records: 10000000, max_bytes: 10GiB}}'
+
+
+def config(up_port: int, port: int, admin_port: int, dlq_section: str) -> str:
     return f"""
 version: 1
 listen: "127.0.0.1:{port}"
 admin: {{listen: "127.0.0.1:{admin_port}"}}
-dlq: {{path: "{db}", max_records: 10000000, max_bytes: 10GiB}}
+{dlq_section}
 defaults:
   breaker: {{min_sequences: 1000000}}
   budget: {{ratio: 1000}}
@@ -75,7 +83,7 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
         with tempfile.TemporaryDirectory() as d:
             port, admin_port = free_port(), free_port()
             cfg = Path(d) / "sidecar.yaml"
-            cfg.write_text(config(up_port, port, admin_port, Path(d) / "dlq.sqlite3"))
+            cfg.write_text(config(up_port, port, admin_port, sqlite_dlq(Path(d))))
             proc = SidecarProcess(cfg)
             proc.start()
             await proc.wait_port(port)

@@ -1,14 +1,18 @@
-"""Idempotency benchmark: the p99 latency a guarded write adds over an unguarded one at a fixed
-rate (500 req/s by default, open loop: requests are sent on schedule whatever the answers), and
-how fast a replay is answered against the app itself.
+"""Idempotency benchmark: the latency a guarded write adds, with each store, over an unguarded
+one and over no proxy at a fixed rate (500 req/s by default, open loop: requests are sent on
+schedule whatever the answers), and how fast a replay is answered against the app itself.
 
     python3 -m bench.idempotency [--rate 500] [--seconds 10] [--app-ms 5] [--block 1]
 
-The unguarded and the guarded route are measured in alternating blocks of ``--block`` seconds
-(``--seconds`` in all for each), so a noisy moment of a shared machine falls on both.
-
-The real sidecar process and a real aiohttp app on loopback; every request of the guarded run
-carries a fresh key (each one a first write: claim, forward, keep). Bounded: it stops by itself.
+One run, one real aiohttp app on loopback, two real sidecar processes with shipped defaults
+except where the keys live: one with the SQLite store (``idempotency: {backend: sqlite}``), one
+with the fleet's Redis store (``idempotency: {backend: redis}``, a real ``redis-server`` with
+``appendonly yes`` and ``appendfsync always``, as the README asks of it: tests/redisserver.py).
+Five arms: the app directly (no proxy), and per store an unguarded and a guarded route. They are
+measured in alternating blocks of ``--block`` seconds (``--seconds`` in all for each; the order
+rotates from block to block), so a noisy moment of a shared machine falls on all of them. Every
+request of a guarded arm carries a fresh key (each one a first write: claim, forward, keep).
+Bounded: it stops by itself, and stops the processes it started.
 """
 
 from __future__ import annotations
@@ -18,22 +22,35 @@ import asyncio
 import json
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
+from tests import redisserver
 from tests.proc import SidecarProcess, free_port
 
+STORES = ("sqlite", "redis")
+DIRECT = "no proxy"
 
-def config(app_port: int, port: int, admin: int, db: Path) -> str:
+
+def storage(store: str, directory: Path, redis_url: str) -> str:
+    """The top-level sections that keep the keys in ``store``: the lines that differ between the
+    two sidecars (everything else is the same and shipped defaults)."""
+    if store == "sqlite":
+        return f'idempotency: {{backend: sqlite, path: "{directory / "keys.sqlite3"}"}}\n'
+    return f'idempotency: {{backend: redis}}\nfleet: {{redis: {{url: "{redis_url}"}}}}\n'
+
+
+def config(app_port: int, port: int, admin: int, store_sections: str) -> str:
     return f"""
 version: 1
 listen: "127.0.0.1:{port}"
 admin: {{listen: "127.0.0.1:{admin}"}}
-idempotency: {{path: "{db}"}}
-defaults:
-  breaker: {{min_sequences: 1000000}}
+{store_sections}
 routes:
   - name: guarded
     match: {{path_prefix: /guarded}}
@@ -58,11 +75,16 @@ async def start_app(app_ms: float) -> tuple[web.AppRunner, int]:
     return runner, int(runner.addresses[0][1])
 
 
+Sample = tuple[float, int]  # one request's latency (s) and the status it got
+
+
 async def paced(
     s: aiohttp.ClientSession, url: str, rate: float, seconds: float, key_prefix: str | None
-) -> list[float]:
-    """Latencies (s) of ``rate * seconds`` POSTs sent on schedule."""
-    lat: list[float] = []
+) -> list[Sample]:
+    """Latencies and statuses of ``rate * seconds`` POSTs sent on schedule. A status other than
+    the app's 201 (a 503 of ``on_store_error: refuse`` when the store did not answer in time)
+    is counted, not fatal: the run goes on and says how many."""
+    lat: list[Sample] = []
     body = b'{"order": 1, "pad": "' + b"x" * 200 + b'"}'
 
     async def one(i: int) -> None:
@@ -70,8 +92,7 @@ async def paced(
         t0 = time.perf_counter()
         async with s.post(url, data=body, headers=headers) as r:
             await r.read()
-            assert r.status == 201, r.status
-        lat.append(time.perf_counter() - t0)
+        lat.append((time.perf_counter() - t0, r.status))
 
     tasks = []
     start = time.perf_counter()
@@ -100,6 +121,138 @@ async def replays(url: str, n: int) -> list[float]:
     return lat[1:]  # the first is the write itself
 
 
+@dataclass(frozen=True)
+class Arm:
+    """One series of requests: where they go, and the keys' prefix when they are guarded."""
+
+    name: str
+    url: str
+    keys: str | None
+
+
+def arms(app_port: int, sidecars: dict[str, int]) -> list[Arm]:
+    out = [Arm(DIRECT, f"http://127.0.0.1:{app_port}/direct", None)]
+    for store, port in sidecars.items():
+        base = f"http://127.0.0.1:{port}"
+        out.append(Arm(f"{store} unguarded", f"{base}/plain", None))
+        out.append(Arm(f"{store} guarded", f"{base}/guarded", store))
+    return out
+
+
+def added(slower: dict[str, float], faster: dict[str, float]) -> dict[str, float]:
+    """What ``slower`` adds over ``faster`` at p50 and p99, in ms and as a ratio."""
+    out: dict[str, float] = {}
+    for p in ("p50", "p99"):
+        out[f"{p}_ms"] = slower[f"{p}_ms"] - faster[f"{p}_ms"]
+        out[f"{p}_ratio"] = slower[f"{p}_ms"] / faster[f"{p}_ms"]
+    return out
+
+
+def summary(lats: dict[str, list[Sample]], replay: dict[str, list[float]]) -> dict[str, object]:
+    series = {
+        name: {
+            "n": len(lat),
+            "not_201": sum(1 for _, status in lat if status != 201),
+            "p50_ms": pct([t for t, _ in lat], 0.5),
+            "p99_ms": pct([t for t, _ in lat], 0.99),
+        }
+        for name, lat in lats.items()
+    }
+    stores: dict[str, object] = {}
+    for store in STORES:
+        guarded, unguarded = series[f"{store} guarded"], series[f"{store} unguarded"]
+        rep = replay[store]
+        stores[store] = {
+            "guarded_vs_unguarded": added(guarded, unguarded),
+            "guarded_vs_no_proxy": added(guarded, series[DIRECT]),
+            "unguarded_vs_no_proxy": added(unguarded, series[DIRECT]),
+            "replay_p50_ms": pct(rep, 0.5),
+            "replay_p99_ms": pct(rep, 0.99),
+        }
+    return {"series": series, "stores": stores}
+
+
+def table(out: dict[str, object]) -> str:
+    """The figures as the README's Markdown table: one row per store."""
+    series, stores = out["series"], out["stores"]
+    assert isinstance(series, dict) and isinstance(stores, dict)
+    d = series[DIRECT]
+    rows = [
+        f"no proxy: p50 / p99 {d['p50_ms']:.2f} / {d['p99_ms']:.2f} ms",
+        "",
+        "| store | unguarded p50 / p99 | guarded p50 / p99 | guarded adds at p50 / p99 "
+        "| guarded vs no proxy, p50 / p99 | replay p50 / p99 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for store in STORES:
+        u, g, s = series[f"{store} unguarded"], series[f"{store} guarded"], stores[store]
+        vu, vd = s["guarded_vs_unguarded"], s["guarded_vs_no_proxy"]
+        rows.append(
+            f"| {store} | {u['p50_ms']:.2f} / {u['p99_ms']:.2f} ms "
+            f"| {g['p50_ms']:.2f} / {g['p99_ms']:.2f} ms "
+            f"| {vu['p50_ms']:+.2f} / **{vu['p99_ms']:+.2f} ms** "
+            f"({vu['p50_ratio']:.2f}x / {vu['p99_ratio']:.2f}x) "
+            f"| {vd['p50_ms']:+.2f} / {vd['p99_ms']:+.2f} ms "
+            f"({vd['p50_ratio']:.2f}x / {vd['p99_ratio']:.2f}x) "
+            f"| {s['replay_p50_ms']:.2f} / {s['replay_p99_ms']:.2f} ms |"
+        )
+    refused = {name: int(s["not_201"]) for name, s in series.items() if s["not_201"]}
+    rows.append(f"\nanswers other than the app's 201: {refused or 'none'}")
+    return "\n".join(rows)
+
+
+@contextmanager
+def redis_server(directory: Path) -> Iterator[redisserver.RedisServer]:
+    """A real redis-server (AOF, fsync on every write), stopped by PID however the run ends."""
+    if not redisserver.available():
+        raise SystemExit("redis-server is not installed (.ci/run installs Debian's redis-server)")
+    server = redisserver.RedisServer(directory)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+async def measure(args: argparse.Namespace, app_port: int, directory: Path) -> dict[str, object]:
+    with redis_server(directory / "redis-server") as redis:
+        procs: list[SidecarProcess] = []
+        try:
+            sidecars: dict[str, int] = {}
+            for store in STORES:
+                port, admin = free_port(), free_port()
+                (directory / store).mkdir()
+                cfg = directory / store / "sidecar.yaml"
+                sections = storage(store, directory / store, redis.url)
+                cfg.write_text(config(app_port, port, admin, sections))
+                proc = SidecarProcess(cfg)
+                procs.append(proc)
+                proc.start()
+                await proc.wait_port(port, admin)
+                sidecars[store] = port
+            every = arms(app_port, sidecars)
+            lats: dict[str, list[Sample]] = {a.name: [] for a in every}
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
+                for arm in every:  # warm up the pools (and each store's first key)
+                    warm = f"warm-{arm.keys}" if arm.keys else None
+                    await paced(session, arm.url, args.rate, 1.0, warm)
+                blocks = max(1, round(args.seconds / args.block))
+                for b in range(blocks):
+                    turn = b % len(every)  # rotated, so no arm always follows the same one
+                    for arm in every[turn:] + every[:turn]:
+                        keys = f"{arm.keys}-k{b}" if arm.keys else None
+                        lats[arm.name] += await paced(session, arm.url, args.rate, args.block, keys)
+            replay = {
+                store: await replays(f"http://127.0.0.1:{port}/guarded/replay", 200)
+                for store, port in sidecars.items()
+            }
+        finally:
+            for proc in procs:
+                if proc.proc is not None:
+                    proc.terminate()
+    return summary(lats, replay)
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rate", type=float, default=500.0)
@@ -108,41 +261,14 @@ async def main() -> None:
     ap.add_argument("--block", type=float, default=1.0, help="seconds per alternating block")
     args = ap.parse_args()
     runner, app_port = await start_app(args.app_ms)
-    port, admin = free_port(), free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = Path(tmp) / "sidecar.yaml"
-        cfg.write_text(config(app_port, port, admin, Path(tmp) / "keys.sqlite3"))
-        proc = SidecarProcess(cfg)
-        proc.start()
-        try:
-            await proc.wait_port(port, admin)
-            base = f"http://127.0.0.1:{port}"
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
-                await paced(session, f"{base}/warm", args.rate, 1.0, None)  # warm up pools
-                out: dict[str, object] = {"rate": args.rate, "seconds": args.seconds}
-                # Alternating blocks of ``--block`` seconds, so both runs see the same machine (it
-                # is shared: a 10 s run of one then the other compares two different moments).
-                lats: dict[str, list[float]] = {"unguarded": [], "guarded": []}
-                blocks = max(1, round(args.seconds / args.block))
-                for b in range(blocks):
-                    for name, path, key in (
-                        ("unguarded", "/plain", None),
-                        ("guarded", "/guarded", f"k{b}"),
-                    ):
-                        lats[name] += await paced(session, base + path, args.rate, args.block, key)
-            for name, lat in lats.items():
-                out[name] = {"n": len(lat), "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99)}
-            g, u = out["guarded"], out["unguarded"]
-            assert isinstance(g, dict) and isinstance(u, dict)
-            out["guarded_adds_p99_ms"] = g["p99_ms"] - u["p99_ms"]
-            rep = await replays(base + "/guarded/replay", 200)
-            out["replay_p50_ms"] = pct(rep, 0.5)
-            out["replay_p99_ms"] = pct(rep, 0.99)
-            out["app_ms"] = args.app_ms
-            print(json.dumps(out, indent=2))
-        finally:
-            proc.terminate()
-            await runner.cleanup()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = await measure(args, app_port, Path(tmp))
+    finally:
+        await runner.cleanup()
+    out.update(rate=args.rate, seconds=args.seconds, app_ms=args.app_ms, block=args.block)
+    print(json.dumps(out, indent=2))
+    print(table(out))
 
 
 if __name__ == "__main__":

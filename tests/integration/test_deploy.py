@@ -19,6 +19,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from sidecar.config.checks import Invalid
+from sidecar.config.fleet import redis_url
 from sidecar.config.parse import parse_text
 from tests.proc import free_port
 
@@ -91,6 +93,11 @@ def test_image_install_and_entry_point_in_a_fresh_venv(tmp_path):
     cmd = json.loads(next(r for w, r in ins if w == "CMD"))
     health = next(r for w, r in ins if w == "HEALTHCHECK")
     health_cmd = json.loads(health[health.index("CMD") + 3 :].strip())
+    # Fleet mode's client is a runtime dependency: the image has it without an extra step.
+    fleet = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import redis.asyncio"], capture_output=True, env=clean
+    )
+    assert fleet.returncode == 0, fleet.stderr
     if not os.path.exists(entry[0]):  # tini comes from Debian's package inside the image
         entry = entry[2:]
     # The image's default config, with ports and the DLQ path moved into this test's space.
@@ -154,6 +161,24 @@ VARIANTS: dict[str, dict[str, Any]] = {
                     {"scope": "route:orders", "reason": "INC-1", "until": "2099-01-01T00:00:00Z"}
                 ],
             },
+        },
+    },
+    "fleet": {
+        "fleet": {
+            "redis": {
+                "url": "rediss://redis-master.redis.svc:6380/2",
+                "keyPrefix": "shop:",
+                "timeout": "500ms",
+                "password": {"existingSecret": "redis", "secretKey": "redis-password"},
+            },
+            "killswitch": True,
+        },
+        "sidecar": {
+            "policy": {
+                "idempotency": {"backend": "redis"},
+                "defaults": {"idempotency": {"enabled": True}},
+                "routes": [{"name": "app", "match": {"path_prefix": "/"}, "upstream": "{{APP}}"}],
+            }
         },
     },
     "monitoring": {
@@ -321,3 +346,116 @@ def test_dlq_max_bytes_leaves_half_the_volume_for_sqlite():
             render(values)
     # An emptyDir has no size to derive from: the policy's (or the sidecar's default) stands.
     assert "max_bytes" not in policy_dlq({"dlq": {"persistence": {"enabled": False}}})
+
+
+# -- Fleet mode: the Redis the replicas share, which the chart does not deploy ----------------------
+
+
+def rendered_config(docs: list[dict[str, Any]]) -> str:
+    cm = next(
+        d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-policy")
+    )
+    text: str = cm["data"]["sidecar.yaml"]
+    return text
+
+
+def env_named(container: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    return [e for e in container["env"] if e["name"] == name]
+
+
+def test_fleet_values_give_the_config_its_fleet_section_and_the_password_from_the_secret():
+    docs = render(VARIANTS["fleet"])
+    cfg = parse_text(rendered_config(docs))  # the sidecar's own loader
+    redis = cfg.fleet.redis
+    assert (redis.url, redis.key_prefix, redis.timeout) == (
+        "rediss://redis-master.redis.svc:6380/2",
+        "shop:",
+        0.5,
+    )
+    assert cfg.fleet.killswitch is True
+    assert cfg.idempotency.backend == "redis"
+    # The variable the config names is the one the container gets, from the user's Secret.
+    assert redis.password_env is not None
+    [password] = env_named(sidecar_container(docs), redis.password_env)
+    assert password == {
+        "name": "RETRY_SIDECAR_REDIS_PASSWORD",
+        "valueFrom": {"secretKeyRef": {"name": "redis", "key": "redis-password"}},
+    }
+    # The chart deploys no Redis and creates no Secret for it.
+    assert not [d for d in docs if "redis" in d["metadata"]["name"]]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == [
+        "shop-retry-sidecar-admin"
+    ]
+
+
+def test_without_fleet_values_no_fleet_section_and_no_redis_password():
+    for values in ({}, {"fleet": {"redis": {"password": {"existingSecret": "redis"}}}}):
+        docs = render(values)
+        assert "fleet" not in yaml.safe_load(rendered_config(docs))
+        assert not parse_text(rendered_config(docs)).fleet.connected
+        assert not env_named(sidecar_container(docs), "RETRY_SIDECAR_REDIS_PASSWORD")
+    # A Redis without a password: the section, and no variable taken from a Secret.
+    docs = render({"fleet": {"redis": {"url": "redis://redis:6379"}}})
+    cfg = parse_text(rendered_config(docs))
+    assert cfg.fleet.redis.url == "redis://redis:6379" and not cfg.fleet.killswitch
+    assert not env_named(sidecar_container(docs), "RETRY_SIDECAR_REDIS_PASSWORD")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://redis:6379",
+        "redis://:secret@redis:6379/0",  # a password in the URL would be shown in the ConfigMap
+        "redis://user:secret@redis:6379",
+        "redis://redis:6379/0?ssl_cert_reqs=none",
+        "redis://redis:6379/zero",
+        "unix:///run/redis.sock",
+        "redis+sentinel://sentinel:26379/mymaster",
+        "redis://",
+    ],
+)
+def test_values_schema_rejects_a_bad_redis_url(url):
+    chart = helm.Chart.load(str(CHART))
+    with pytest.raises(helm.HelmError, match="/fleet/redis/url"):
+        chart.validate_schema(chart.merge_values({"fleet": {"redis": {"url": url}}}))
+    with pytest.raises(Invalid):  # the sidecar refuses it too: the schema only says so earlier
+        redis_url(url)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis://redis:6379", "rediss://default@redis.example.com:6380/15", "redis://[::1]:6379/0"],
+)
+def test_values_schema_takes_the_urls_the_sidecar_takes(url):
+    chart = helm.Chart.load(str(CHART))
+    chart.validate_schema(chart.merge_values({"fleet": {"redis": {"url": url}}}))
+    assert redis_url(url) == url
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"fleet": {"redis": {"keyPrefix": "two words"}}}, "/fleet/redis/keyPrefix"),
+        ({"fleet": {"redis": {"timeout": "0.25"}}}, "/fleet/redis/timeout"),
+        ({"fleet": {"redis": {"password": {"secretKey": ""}}}}, "/fleet/redis/password/secretKey"),
+        ({"fleet": {"redis": {"passwordSecret": "redis"}}}, "passwordSecret"),
+        (
+            {"sidecar": {"policy": {"fleet": {}, "routes": [{"name": "a", "upstream": "x"}]}}},
+            "fleet",
+        ),
+    ],
+)
+def test_values_schema_rejects_bad_fleet_values(values, message):
+    chart = helm.Chart.load(str(CHART))
+    with pytest.raises(helm.HelmError, match=message):
+        chart.validate_schema(chart.merge_values(values))
+
+
+def test_what_needs_the_fleet_redis_is_refused_without_it():
+    """As the sidecar would refuse the rendered config at start: the chart says so at render."""
+    with pytest.raises(helm.HelmError, match=r"fleet\.killswitch: true needs fleet\.redis\.url"):
+        render({"fleet": {"killswitch": True}})
+    app = [{"name": "app", "upstream": "{{APP}}"}]
+    values = {"sidecar": {"policy": {"idempotency": {"backend": "redis"}, "routes": app}}}
+    with pytest.raises(helm.HelmError, match=r"backend: redis needs fleet\.redis\.url"):
+        render(values)

@@ -39,6 +39,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default (printf "%s-admin" (include "retry-sidecar.fullname" .)) .Values.sidecar.adminToken.existingSecret }}
 {{- end }}
 
+{{/* The variable the sidecar reads the fleet Redis's password from (fleet.redis.password_env). */}}
+{{- define "retry-sidecar.redisPasswordEnv" -}}
+RETRY_SIDECAR_REDIS_PASSWORD
+{{- end }}
+
 {{/* The sidecar's whole config: the user's policy plus what the chart owns. */}}
 {{- define "retry-sidecar.config" -}}
 {{- $app := printf "http://127.0.0.1:%d" (int .Values.app.port) -}}
@@ -73,6 +78,14 @@ pages and per-row overhead, so that "full" refuses records before the disk does.
 {{- end }}
 {{- end }}
 {{- $_ := set $policy "dlq" $dlq -}}
+{{- with .Values.fleet }}
+{{- if .redis.url }}
+{{- /* Fleet mode: the Redis and what is shared through it; its password comes from the Secret
+the container's env names (retry-sidecar.sidecarContainer). */ -}}
+{{- $redis := dict "url" .redis.url "key_prefix" .redis.keyPrefix "timeout" .redis.timeout "password_env" (include "retry-sidecar.redisPasswordEnv" $) -}}
+{{- $_ := set $policy "fleet" (dict "redis" $redis "killswitch" .killswitch) -}}
+{{- end }}
+{{- end }}
 {{- $_ := set $policy "drain_timeout" (printf "%ds" (int .Values.sidecar.drainTimeoutSeconds)) -}}
 {{- toYaml $policy }}
 {{- end }}
@@ -94,6 +107,13 @@ pages and per-row overhead, so that "full" refuses records before the disk does.
         secretKeyRef:
           name: {{ include "retry-sidecar.secretName" . }}
           key: {{ .Values.sidecar.adminToken.secretKey }}
+    {{- if and .Values.fleet.redis.url .Values.fleet.redis.password.existingSecret }}
+    - name: {{ include "retry-sidecar.redisPasswordEnv" . }}
+      valueFrom:
+        secretKeyRef:
+          name: {{ .Values.fleet.redis.password.existingSecret }}
+          key: {{ .Values.fleet.redis.password.secretKey }}
+    {{- end }}
     {{- with .Values.sidecar.env }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
