@@ -100,8 +100,9 @@ class RedisServer:
         self.paused = False
         self.starts += 1
         deadline = time.monotonic() + START_BOUND
-        # Ours answering, not another server that holds the port.
-        while server_pid(self.port) != self.proc.pid:
+        # Ours answering, not another server that holds the port; and done loading its AOF
+        # (while loading, INFO answers but every command gets -LOADING, PING included).
+        while server_pid(self.port) != self.proc.pid or not ping(self.port):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {self.log()}")
             if time.monotonic() >= deadline:
