@@ -193,7 +193,16 @@ def test_records_acknowledged_before_a_sigkill_survive_the_restart(
 
         async def after() -> None:
             store = redis_store(server.url)
+
+            async def loaded() -> bool:  # a restarted Redis answers LOADING until its AOF is read
+                try:
+                    await store.get(ids[0])
+                except errors.DlqUnavailable:
+                    return False
+                return True
+
             try:
+                await until_async(loaded, "the restarted Redis to load its AOF")
                 for i, rid in enumerate(ids):
                     got = await store.get(rid)
                     assert got is not None and got["body_bytes"] == b"%d" % i
