@@ -25,8 +25,7 @@ from sidecar.config.watch import Reloader, ReloadResult
 from sidecar.core import Clock
 from sidecar.dlq.admin import dlq_routes
 from sidecar.dlq.figures import DlqFigures
-from sidecar.dlq.opening import Opening, close_opened, on_loop
-from sidecar.dlq.reopen import reopen_delay
+from sidecar.dlq.service import DlqService
 from sidecar.engine.figures import RouteFigureSource
 from sidecar.engine.resolve import Resolver
 from sidecar.engine.routestate import RouteStates
@@ -54,11 +53,10 @@ from sidecar.upstream.client import UpstreamClient
 from sidecar.upstream.pool import PoolSettings
 
 if TYPE_CHECKING:
-    # The DLQ's store, replayer and redrive (and sqlite3 with them) are imported when a DLQ
-    # opens (_open_dlq), not at start: a sidecar with no DLQ route never loads them.
-    from sidecar.dlq.redrive import Redrive
+    # The DLQ's store and replayer (and sqlite3 or redis with them) are imported when a DLQ
+    # opens (dlq/service.py), not at start: a sidecar with no DLQ route never loads them.
+    from sidecar.dlq.contract import DlqStorage
     from sidecar.dlq.replay import Replayer
-    from sidecar.dlq.store import DlqStore
     from sidecar.idempotency.store import IdempotencyStore
 
 log = logging.getLogger("sidecar")
@@ -122,15 +120,16 @@ class Sidecar:
         )
         self.watch_interval = watch_interval
         self.admin_extra: list[ExtraRoute] = []
-        self.dlq: DlqStore | None = None
-        self.replayer: Replayer | None = None
-        self.redrive: Redrive | None = None
-        # The DLQ file is the one the process started with (dlq.path is restart-only), even
-        # when a reload is what first enables a DLQ route and opens it.
-        self._dlq_path = config.dlq.path
-        self._dlq_opening: asyncio.Lock | None = None
-        self.dlq_max_page_count: int | None = None  # tests: a real SQLITE_FULL
-        self.dlq_busy_timeout_ms = 5000  # tests: a lock held elsewhere fails sooner
+        # The DLQ: its backend and file are the ones the process started with (restart-only),
+        # even when a reload is what first enables a DLQ route and opens it.
+        self.dlqs = DlqService(
+            config,
+            self.deps,
+            lambda: self.store.current,
+            spawn=self.spawn,
+            on_open=self._dlq_opened,
+            recreated=lambda: self.metrics.dlq_file_recreated.inc(()),
+        )
         self._proxy_server: SidecarServer | None = None
         self._proxy_runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
@@ -143,7 +142,7 @@ class Sidecar:
             store=self.store,
             kill=self.kill,
             clock=self.clock,
-            dlq=lambda: self.dlq,
+            dlq=lambda: self.dlqs.store,
             tunnels=self.deps.tunnels,
         )
         self.rates = RateSampler(self.metrics, self.clock)  # for the status page
@@ -158,12 +157,25 @@ class Sidecar:
             life=self.life,
             rates=self.rates,
             stats=self.process_stats,
-            dlq=DlqFigures(lambda: self.dlq),
+            dlq=DlqFigures(lambda: self.dlqs.store, self.dlqs.location, lambda: self.dlqs.warning),
             started_mono=self.clock.monotonic(),
             started_wall=self.clock.wall(),
         )
 
+    @property
+    def dlq(self) -> DlqStorage | None:
+        return self.dlqs.store
+
+    @property
+    def replayer(self) -> Replayer | None:
+        return self.dlqs.replayer
+
     # -- state hooks -------------------------------------------------------------------------
+
+    def _dlq_opened(self, store: DlqStorage) -> None:
+        if self.dlqs.backend == "sqlite":  # a first deletion of the file shows in increase()
+            self.metrics.dlq_file_recreated.values.setdefault((), 0.0)
+        self.deps.dlq = store
 
     def _on_breaker_transition(self, route: str, frm: State, to: State) -> None:
         log.warning("breaker of route %s: %s -> %s", route, frm.value, to.value)
@@ -207,8 +219,8 @@ class Sidecar:
             self.states.sync(old)
             self.store.restore(old, loaded)
             self.kill.restore_file(file_switches)
-            if self.dlq is not None:
-                self.dlq.set_limits(old.dlq.max_records, old.dlq.max_bytes)
+            if self.dlqs.store is not None:
+                self.dlqs.store.set_limits(old.dlq.max_records, old.dlq.max_bytes)
             raise
 
     def _apply(self, config: Config) -> None:
@@ -219,15 +231,8 @@ class Sidecar:
         self._declare_routes(config)
         self.store.swap(config)
         apply_file(self.kill, config, self.clock.monotonic(), self.clock.wall())
-        if self.dlq is not None:
-            self.dlq.set_limits(config.dlq.max_records, config.dlq.max_bytes)
-        elif (
-            any(r.dlq.enabled for r in config.routes)
-            and self._dlq_opening is not None
-            and "dlq-open" not in self._tasks
-        ):
-            self.spawn("dlq-open", self._keep_opening())
-        if keys.wanted(config) and self.keys.store is None and self._dlq_opening is not None:
+        self.dlqs.applied(config)
+        if keys.wanted(config) and self.keys.store is None and self.dlqs.started:
             self._open_keys()  # started (not a reload before start)
 
     def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
@@ -245,104 +250,15 @@ class Sidecar:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def _dlq_wanted(self, config: Config) -> bool:
-        """The DLQ file is opened only when a route uses it or it already exists: nothing is
-        written outside the paths the config names, and nothing at all when unused."""
-        return any(r.dlq.enabled for r in config.routes) or os.path.exists(self._dlq_path)
-
-    def _open_dlq(self, config: Config) -> DlqStore | None:
-        """In a worker thread: open (check, create, migrate) the DLQ file. The first call
-        imports the store and sqlite3, off the event loop (the replayer and redrive follow in
-        ``_open_dlq_now``, on the loop, once)."""
-        import sqlite3
-
-        from sidecar.dlq.store import DlqStore
-
-        store = DlqStore(
-            self._dlq_path,
-            config.dlq.max_records,
-            config.dlq.max_bytes,
-            max_page_count=self.dlq_max_page_count,
-            busy_timeout_ms=self.dlq_busy_timeout_ms,
-        )
-        try:
-            store.open()
-        except (OSError, sqlite3.Error) as exc:
-            # The proxy keeps serving; failed writes get x-retry-dlq: unavailable.
-            log.error("cannot open the DLQ at %s: %s", self._dlq_path, exc)
-            return None
-        return store
-
-    async def _open_dlq_now(self) -> bool:
-        """Open the DLQ and start its background work (at start, or on the first reload that
-        enables a DLQ route). False when the file could not be opened now."""
-        assert self._dlq_opening is not None
-        async with self._dlq_opening:
-            if self.dlq is not None:
-                return True
-            config = self.store.current
-            opener = Opening(lambda: self._open_dlq(config))
-            opening = asyncio.ensure_future(asyncio.to_thread(opener))
-            try:
-                store = await asyncio.shield(opening)
-            except asyncio.CancelledError:
-                # Shut down while the thread opens it: whatever it opens is closed again, by
-                # the thread itself unless it had already handed the store over.
-                if opener.abandon():
-                    opening.add_done_callback(close_opened)
-                raise
-            if store is None:
-                return False
-            if self.life.draining:
-                await asyncio.to_thread(store.close)
-                return True
-            from sidecar.dlq.redrive import Redrive, prune
-            from sidecar.dlq.replay import Replayer
-
-            recreated = self.metrics.dlq_file_recreated
-            recreated.values.setdefault((), 0.0)  # a first deletion shows in increase()
-            store.on_recreated = on_loop(asyncio.get_running_loop(), lambda: recreated.inc(()))
-            self.dlq = store
-            self.deps.dlq = store
-            self.replayer = Replayer(store, self.deps, lambda: self.store.current)
-            self.redrive = Redrive(self.replayer, lambda: self.store.current, self.life)
-            self.spawn("dlq-redrive", self.redrive.run())
-            self.spawn("dlq-prune", prune(store))
-            log.info("DLQ open at %s", self._dlq_path)
-            return True
-
-    async def _keep_opening(self) -> None:
-        """Open the DLQ, trying again (backing off) while it cannot be opened: a full volume
-        or an I/O error leaves the file in place, writes are refused as ``unavailable``
-        meanwhile, and the DLQ opens by itself once the disk lets it."""
-        failures = 0
-        while not self.life.draining and not await self._open_dlq_now():
-            failures += 1
-            delay = reopen_delay(failures)
-            log.warning(
-                "the DLQ at %s stays unavailable; opening it again in %.0fs (try %d)",
-                self._dlq_path,
-                delay,
-                failures,
-            )
-            await asyncio.sleep(delay)
-
-    def _dlq_open(self) -> tuple[DlqStore, Replayer] | None:
-        if self.dlq is None or self.replayer is None:
-            return None
-        return self.dlq, self.replayer
-
     async def start(self) -> None:
         config = self.store.current
         token = token_from_env(config.admin)
         check_exposure(config.admin, token)
-        self._dlq_opening = asyncio.Lock()
-        if self._dlq_wanted(config) and not await self._open_dlq_now():
-            self.spawn("dlq-open", self._keep_opening())
+        await self.dlqs.start()
         if keys.wanted(config) and not await self.keys.open(lambda: self.life.draining):
             self._open_keys()
         # The DLQ endpoints exist even when no DLQ is open (they answer 503 then).
-        self.admin_extra.extend(dlq_routes(self._dlq_open, lambda: self._dlq_path))
+        self.admin_extra.extend(dlq_routes(self.dlqs.opened, self.dlqs.location))
         self.admin_extra.extend(idempotency_routes(lambda: self.keys.store))
 
         server = SidecarServer(
@@ -369,7 +285,7 @@ class Sidecar:
             lambda via: self.metrics.admin_auth_failures.inc((("via", via),))
         )
         page_gets, page_forms = page_routes(
-            PageDeps(self.status, token, lambda: self.replayer, failed_login=failed_login)
+            PageDeps(self.status, token, lambda: self.dlqs.replayer, failed_login=failed_login)
         )
         admin_app = build_admin_app(
             AdminDeps(
@@ -463,8 +379,7 @@ class Sidecar:
             await self._admin_runner.cleanup()
             self._admin_runner = None
         self.client.close()
-        if self.dlq is not None:
-            await asyncio.to_thread(self.dlq.close)
+        await self.dlqs.close()
         await self.keys.close()
         self.tracing.shutdown()
         log.info("stopped")
@@ -496,5 +411,5 @@ class Sidecar:
                 k: {"total": v.total, "idle": v.idle, "waiting": v.waiting}
                 for k, v in self.client.stats().items()
             },
-            "dlq_writer_queue": self.dlq.queue_depth() if self.dlq is not None else None,
+            "dlq_writer_queue": depth() if (depth := self.dlqs.queue_depth) is not None else None,
         }

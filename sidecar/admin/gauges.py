@@ -16,7 +16,7 @@ from sidecar.proxy.tunnel import Tunnels
 from sidecar.telemetry.metrics import Labels, Metrics
 
 if TYPE_CHECKING:
-    from sidecar.dlq.store import DlqStore
+    from sidecar.dlq.contract import DlqStorage
 
 DLQ_STATUSES = ("pending", "delivered", "parked")
 
@@ -28,7 +28,7 @@ def wire_gauges(
     store: ConfigStore,
     kill: KillSwitch,
     clock: Clock,
-    dlq: Callable[[], DlqStore | None],
+    dlq: Callable[[], DlqStorage | None],
     tunnels: Tunnels,
 ) -> None:
     def per_route(

@@ -346,6 +346,10 @@ def _process(st: Status) -> str:
         ),
         ("DLQ", f"{escape(p.dlq)} <small>{escape(p.dlq_path)}</small>"),
     ]
+    if p.dlq_warning is not None:
+        items.append(
+            ("DLQ warning", f'<span class="bad" id="dlq-warning">{escape(p.dlq_warning)}</span>')
+        )
     if p.fleet_switches != "off":
         cls = "ok" if p.fleet_switches == "connected" else "bad"
         kept = "" if cls == "ok" else " <small>(the switches last known are kept)</small>"

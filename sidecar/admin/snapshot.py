@@ -33,6 +33,10 @@ class DlqView(Protocol):
 
     def is_open(self) -> bool: ...
 
+    def location(self) -> str: ...
+
+    def warning(self) -> str | None: ...
+
     async def per_route(self, wall: float) -> dict[str, dict[str, Any]]: ...
 
 
@@ -123,6 +127,9 @@ class ProcessStatus:
     # Fleet kill switches: "off" (fleet.killswitch false), "connected" or "unreachable" (the
     # switches last known are kept).
     fleet_switches: str = "off"
+    # What the start-up check of the DLQ's store found wrong (a fleet Redis that does not
+    # fsync every write, or whose settings cannot be read), or None.
+    dlq_warning: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,8 +223,9 @@ async def take(src: StatusSources, window: str = DEFAULT_WINDOW) -> Status:
         upstream_connections=sum(int(p.get("total", 0)) for p in pools),
         upstream_idle=sum(int(p.get("idle", 0)) for p in pools),
         dlq="open" if dlq_open else _dlq_off(src),
-        dlq_path=config.dlq.path,
+        dlq_path=src.dlq.location(),
         fleet_switches=_fleet(src.kill),
+        dlq_warning=src.dlq.warning(),
     )
     return Status(wall, window, win.seconds, process, routes, switches)
 

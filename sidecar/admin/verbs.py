@@ -123,6 +123,8 @@ def print_status(st: dict[str, Any], out: TextIO) -> None:
         f"window {st['window']} (covers {age(st['window_seconds'])})",
     ]
     out.write(printable("  ".join(head)) + "\n")
+    if p.get("dlq_warning"):
+        out.write(printable("dlq warning: " + p["dlq_warning"]) + "\n")
     if p["restart_required"]:
         out.write(printable("needs a restart: " + "; ".join(p["restart_required"])) + "\n")
     out.write("\n")

@@ -12,6 +12,7 @@ import socket
 from dataclasses import dataclass
 
 from sidecar.config import checks as c
+from sidecar.config.dlqfile import DlqFile
 from sidecar.config.fileswitch import FileKillSwitch
 from sidecar.config.fleet import Fleet
 from sidecar.config.idempotency import IdempotencyPolicy, IdempotencyStorage
@@ -246,14 +247,6 @@ class Admin:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class DlqFile:
-    # The open file is not swapped under in-flight writes; the bounds apply to the next record.
-    path: str = key("./data/dlq.sqlite3", c.non_empty_str, live=False)
-    max_records: int = key(100_000, c.int_range(1, 100_000_000))
-    max_bytes: int = key(1024**3, c.size, unit="size")
-
-
 # ``unlimited`` where a size may be: the largest size a config can hold.
 UNLIMITED_SIZE = MAX_SIZE
 
@@ -411,7 +404,13 @@ class Config:
         note="peers whose x-retry-* headers are honoured",
         help="peers whose `x-retry-edge` / `x-request-timeout-ms` are obeyed",
     )
-    dlq: DlqFile = section(DlqFile, help="the DLQ file and its bounds")
+    dlq: DlqFile = section(
+        DlqFile,
+        help=(
+            "where the DLQ keeps its records and their bounds: `backend` `sqlite` (the file at "
+            '`path`) or `redis` (`fleet.redis`, one stream per route; see "Fleet mode")'
+        ),
+    )
     idempotency: IdempotencyStorage = section(
         IdempotencyStorage,
         flow=True,

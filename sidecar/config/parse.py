@@ -16,7 +16,7 @@ import stat
 from dataclasses import MISSING
 from typing import Any
 
-from sidecar.config import checks, fleet, killswitches, schema, units
+from sidecar.config import checks, dlqfile, fleet, killswitches, schema, units
 from sidecar.config.errors import ConfigError, ConfigIssue
 from sidecar.config.model import Config, Match, Route
 from sidecar.config.yamlnodes import (
@@ -125,6 +125,8 @@ class _Parser:
         )
         for name, message in fleet.storage_problems(values["idempotency"], values["fleet"]):
             self.error(("idempotency", name), message)
+        for name, message in dlqfile.dlq_problems(values["dlq"], values["fleet"]):
+            self.error(("dlq", name), message)
         routes = self.routes(top.get("routes"), defaults)
         switches = killswitches.parse_section(
             top.get("killswitches"), self.located, {r.name for r in routes}, self.error

@@ -20,10 +20,10 @@ from sidecar.jsonapi import ExtraRoute, error, iso, loads_json, whole_number
 if TYPE_CHECKING:
     # The endpoints exist before any DLQ opens; the store and replayer (and sqlite3) are
     # loaded only when one does.
+    from sidecar.dlq.contract import DlqStorage
     from sidecar.dlq.replay import Replayer
-    from sidecar.dlq.store import DlqStore
 
-    Opened = Callable[[], tuple[DlqStore, Replayer] | None]
+    Opened = Callable[[], tuple[DlqStorage, Replayer] | None]
 
 
 audit = logging.getLogger("sidecar.audit")

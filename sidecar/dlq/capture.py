@@ -22,8 +22,8 @@ from sidecar.dlq.record import (
 from sidecar.engine.loop import SequenceResult
 
 if TYPE_CHECKING:
-    # The store (and sqlite3 with it) is loaded only when a DLQ opens: a type here, nothing more.
-    from sidecar.dlq.store import DlqStore
+    # A store is loaded only when a DLQ opens: a type here, nothing more.
+    from sidecar.dlq.contract import DlqStorage
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +50,7 @@ def reached_upstream(result: SequenceResult | None) -> bool:
 
 
 async def capture(
-    store: DlqStore | None,
+    store: DlqStorage | None,
     route: Route,
     method: str,
     target: str,
@@ -67,9 +67,10 @@ async def capture(
     """Store the request if it is a write on a DLQ route that ended in a transient failure.
 
     ``result`` is the sequence's result (None when the breaker refused it). Returns None when
-    the DLQ does not apply; otherwise what the client is told. The record is
-    durable on disk before this returns "stored". A body that was streamed rather than held
-    whole is never stored (``body-too-large``): the DLQ keeps the request exactly or not at all.
+    the DLQ does not apply; otherwise what the client is told. The record is durable (committed
+    to the file, or confirmed by Redis) before this returns "stored". A body that was streamed
+    rather than held whole is never stored (``body-too-large``): the DLQ keeps the request
+    exactly or not at all.
     """
     if not route.dlq.enabled or method not in WRITE_METHODS:
         return None

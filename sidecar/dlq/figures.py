@@ -1,45 +1,40 @@
 """Per-route DLQ figures for the status page: pending and parked counts and the oldest record's
-age. One grouped read on the store's reader connection, in a thread, never on the loop."""
+age, and where the records are kept. Read from the open store (``contract.DlqStorage``): the
+SQLite file in a thread, never on the loop; the fleet's Redis within its timeout."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from sidecar.dlq.contract import DlqStorage
 from sidecar.dlq.errors import DlqError
-
-if TYPE_CHECKING:
-    # The store (and sqlite3 with it) is loaded only when a DLQ opens: a type here, nothing more.
-    from sidecar.dlq.store import DlqStore
-
-_COUNTS = (
-    "SELECT status, route, COUNT(*), MIN(seq) FROM records "
-    "WHERE status IN ('pending', 'parked') GROUP BY status, route"
-)
-
-
-def read(store: DlqStore) -> list[tuple[str, str, int, float]]:
-    """(status, route, count, oldest created_at). The first query is answered from the
-    (status, route, seq) index; the second reads one row per group (seq grows with time)."""
-    groups = store._read(_COUNTS, ())
-    if not groups:
-        return []
-    seqs = tuple(g[3] for g in groups)
-    marks = ",".join("?" * len(seqs))
-    created = dict(store._read(f"SELECT seq, created_at FROM records WHERE seq IN ({marks})", seqs))
-    return [(g[0], g[1], int(g[2]), float(created.get(g[3], 0.0))) for g in groups]
 
 
 class DlqFigures:
     """What the status page reads of the DLQ (``sidecar.admin.snapshot.DlqView``)."""
 
-    def __init__(self, store: Callable[[], DlqStore | None]) -> None:
+    def __init__(
+        self,
+        store: Callable[[], DlqStorage | None],
+        location: Callable[[], str],
+        warning: Callable[[], str | None] = lambda: None,
+    ) -> None:
         self._store = store
+        self._location = location
+        self._warning = warning
 
     def is_open(self) -> bool:
         store = self._store()
         return store is not None and store.available
+
+    def location(self) -> str:
+        return self._location()
+
+    def warning(self) -> str | None:
+        """What the start-up check of the store found wrong (a Redis without ``appendfsync
+        always``), or None."""
+        return self._warning()
 
     async def per_route(self, wall: float) -> dict[str, dict[str, Any]]:
         """route -> {"pending": n, "parked": n, "pending_age": s, "parked_age": s}; {} when
@@ -48,7 +43,7 @@ class DlqFigures:
         if store is None or not store.available:
             return {}
         try:
-            rows = await asyncio.to_thread(read, store)
+            rows = await store.route_counts()
         except DlqError:
             return {}
         out: dict[str, dict[str, Any]] = {}

@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 from sidecar.config.model import Config
 from sidecar.core import Fate
+from sidecar.dlq.contract import DlqStorage
 from sidecar.dlq.errors import ClaimRefused
-from sidecar.dlq.replay import DELIVERED_RETENTION, Replayer
-from sidecar.dlq.store import DlqStore
+from sidecar.dlq.replay import DELIVERED_RETENTION, Replayer, lease_for
 from sidecar.lifecycle import Lifecycle
 
 log = logging.getLogger("sidecar.dlq")
@@ -91,16 +91,14 @@ class Redrive:
                     self._due[route.name] = next_run(self._monotonic(), rd.interval, 0)
 
     async def round(self, route: str) -> None:
-        rows, _ = await self.replayer.store.list(
-            route=route, status="pending", limit=BATCH, newest_first=False
-        )
-        for r in rows:
+        conf = self._config().route(route)
+        if conf is None:
+            return
+        for rid in await self.replayer.store.due(route, BATCH, lease_for(conf)):
             if self._life.draining or not self._may_send(route):
                 return  # asked before every record: a switch, a drain or a reload stops it
             try:
-                outcome = await self.replayer.replay_one(
-                    r["id"], statuses=("pending",), automatic=True
-                )
+                outcome = await self.replayer.replay_one(rid, statuses=("pending",), automatic=True)
             except ClaimRefused:
                 continue  # delivered, claimed or purged meanwhile: someone else has it
             if outcome.fate in STOPS_A_ROUND:
@@ -124,7 +122,7 @@ class Redrive:
         return not killed
 
 
-async def prune(store: DlqStore) -> None:
+async def prune(store: DlqStorage) -> None:
     """Delete delivered records past the audit window, every minute, whatever fails."""
     while True:
         await asyncio.sleep(PRUNE_EVERY)

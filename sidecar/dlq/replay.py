@@ -31,10 +31,10 @@ from typing import Any
 from sidecar.config.model import Config, Route
 from sidecar.core import Fate, LocalOverload, UpstreamError
 from sidecar.dlq.capture import reached_upstream
+from sidecar.dlq.contract import DlqStorage
 from sidecar.dlq.errors import ClaimRefused, DlqError, RecordNotFound
 from sidecar.dlq.operations import Finish
 from sidecar.dlq.record import safe_to_resend
-from sidecar.dlq.store import DlqStore
 from sidecar.engine.deps import EngineDeps
 from sidecar.engine.loop import SequenceResult
 from sidecar.engine.sequence import Exchange, Sequence
@@ -103,7 +103,7 @@ def next_status(http_status: int | None, replays: int, max_replays: int) -> tupl
 class Replayer:
     def __init__(
         self,
-        store: DlqStore,
+        store: DlqStorage,
         deps: EngineDeps,
         config: Callable[[], Config],
         owner: str | None = None,

@@ -31,11 +31,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from sidecar.dlq import dbfile, operations, schema
+from sidecar.dlq.contract import Ids, RouteCounts
+from sidecar.dlq.counts import Counts
 from sidecar.dlq.errors import DlqUnavailable
 from sidecar.dlq.operations import Finish
 from sidecar.dlq.record import NewRecord
 from sidecar.dlq.rows import COLUMNS, full, summary
-from sidecar.dlq.tally import Counts, StoreTally
+from sidecar.dlq.tally import StoreTally
 from sidecar.dlq.writer import GroupWriter, Operation
 
 log = logging.getLogger("sidecar.dlq")
@@ -74,6 +76,10 @@ class DlqStore:
     @property
     def counts(self) -> Counts:
         return self._tally.counts
+
+    @property
+    def location(self) -> str:
+        return self.path
 
     @property
     def by_status(self) -> dict[str, int]:
@@ -329,6 +335,32 @@ class DlqStore:
         if not rows:
             return None
         return full(rows[0])
+
+    async def due(self, route: str, limit: int, idle: float) -> Ids:
+        rows, _ = await self.list(route=route, status="pending", limit=limit, newest_first=False)
+        return [r["id"] for r in rows]
+
+    async def route_counts(self) -> RouteCounts:
+        """One grouped read on the reader connection, in a thread, never on the loop."""
+        return await asyncio.to_thread(self._route_counts)
+
+    def _route_counts(self) -> RouteCounts:
+        """The first query is answered from the (status, route, seq) index; the second reads
+        one row per group (seq grows with time)."""
+        groups = self._read(_COUNTS, ())
+        if not groups:
+            return []
+        seqs = tuple(g[3] for g in groups)
+        marks = ",".join("?" * len(seqs))
+        sql = f"SELECT seq, created_at FROM records WHERE seq IN ({marks})"
+        created = dict(self._read(sql, seqs))
+        return [(g[0], g[1], int(g[2]), float(created.get(g[3], 0.0))) for g in groups]
+
+
+_COUNTS = (
+    "SELECT status, route, COUNT(*), MIN(seq) FROM records "
+    "WHERE status IN ('pending', 'parked') GROUP BY status, route"
+)
 
 
 def _log_release(fut: asyncio.Future[Any]) -> None:

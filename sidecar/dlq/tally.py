@@ -9,17 +9,11 @@ other processes sharing the file wrote) and from what each committed group chang
 from __future__ import annotations
 
 import sqlite3
-from dataclasses import dataclass, field
 
+from sidecar.dlq.counts import Counts
 from sidecar.dlq.writer import Delta
 
-
-@dataclass(frozen=True, slots=True)
-class Counts:
-    """What the gauges show; replaced whole by the writer thread, read by the loop."""
-
-    by_status: dict[str, int] = field(default_factory=dict)
-    oldest_pending: float | None = None  # created_at (epoch) of the oldest pending record
+__all__ = ["Counts", "StoreTally", "move"]
 
 
 def move(delta: Delta, old: str | None, new: str | None) -> None:

@@ -14,15 +14,15 @@ from sidecar.proxy.detached import DetachedWrites
 from sidecar.proxy.tunnel import Tunnels
 
 if TYPE_CHECKING:
-    # The store (and sqlite3 with it) is loaded only when a DLQ opens: a type here, nothing more.
-    from sidecar.dlq.store import DlqStore
+    # A store is loaded only when a DLQ opens: a type here, nothing more.
+    from sidecar.dlq.contract import DlqStorage
 
 
 @dataclass
 class ProxyDeps(EngineDeps):
     store: ConfigStore
     malformed: Callable[[str], None] = lambda reason: None  # counts refused requests
-    dlq: DlqStore | None = None
+    dlq: DlqStorage | None = None
     dlq_write: Callable[[str, str], None] = lambda route, result: None  # (route, result)
     tunnels: Tunnels = field(default_factory=Tunnels)  # upgraded connections being relayed
     # The idempotency store, once opened (app.py); None: not open, guarded writes get

@@ -30,6 +30,7 @@ def test_fleet_mode_is_off_by_default() -> None:
     assert config.fleet.redis.timeout == 0.25
     assert config.fleet.killswitch is False
     assert config.idempotency.backend == "sqlite"
+    assert config.dlq.backend == "sqlite"
 
 
 @pytest.mark.parametrize(
@@ -46,11 +47,13 @@ def test_redis_and_rediss_urls_are_accepted(url: str) -> None:
     text = doc(
         f'fleet:\n  redis: {{url: "{url}", timeout: 1s}}\n  killswitch: false\n'
         "idempotency: {backend: redis}\n"
+        "dlq: {backend: redis}\n"
     )
     config = parse_text(text)
     assert config.fleet.redis.url == url
     assert config.fleet.redis.timeout == 1.0
     assert config.idempotency.backend == "redis"
+    assert config.dlq.backend == "redis"
 
 
 @pytest.mark.parametrize(
@@ -86,6 +89,17 @@ def test_the_redis_backend_without_a_fleet_redis_is_refused_where_it_is_written(
     ]
 
 
+def test_the_redis_dlq_without_a_fleet_redis_is_refused_where_it_is_written() -> None:
+    text = doc("fleet: {killswitch: false}\ndlq:\n  max_records: 10\n  backend: redis\n")
+    assert issues(text) == [
+        (
+            5,
+            "dlq.backend",
+            "redis needs fleet.redis.url: the records are kept in the fleet's Redis",
+        )
+    ]
+
+
 def test_fleet_kill_switches_without_a_redis_are_refused_where_written() -> None:
     text = doc("fleet:\n  redis: {url: null}\n  killswitch: true\n")
     [(line, path, message)] = issues(text)
@@ -114,9 +128,11 @@ def test_every_fleet_key_needs_a_restart() -> None:
             '  redis: {url: "redis://h/1", key_prefix: "b:", password_env: P, timeout: 1s}\n'
             "  killswitch: true\n"
             "idempotency: {backend: redis}\n"
+            "dlq: {backend: redis}\n"
         )
     )
     assert sorted(k for k, _ in needs_restart(old, new)) == [
+        "dlq.backend",
         "fleet.killswitch",
         "fleet.redis.key_prefix",
         "fleet.redis.password_env",

@@ -144,6 +144,7 @@ TOP_KEYS: dict[str, st.SearchStrategy[Any]] = {
     "admin.token_env": kind(["TOKEN", None], ["1x"]),
     "admin.allowed_hosts": st.lists(kind(["sidecar.local", "admin.svc"], ["a b"]), max_size=2),
     "trusted_peers": st.lists(kind(["10.0.0.0/8", "::1/128", "0.0.0.0/0"], ["nope"]), max_size=2),
+    "dlq.backend": kind(["sqlite", "redis"], ["memcached"]),
     "dlq.path": kind(["/nonexistent/dlq.sqlite3"], [""]),
     "dlq.max_records": kind([1, 100_000_000], [0]),
     "dlq.max_bytes": SIZES,

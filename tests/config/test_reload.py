@@ -278,12 +278,12 @@ async def test_shutting_down_while_a_reload_opens_the_dlq_leaves_no_writer(
     disabled = enabled.replace("dlq: {enabled: true}", "dlq: {enabled: false}")
     cfg.write_text(disabled)
     sc = Sidecar(parse_text(disabled, str(cfg)), config_path=str(cfg))
-    sc.dlq_busy_timeout_ms = 20_000
+    sc.dlqs.busy_timeout_ms = 20_000
     # When the opening thread starts and when it has returned what it opened: the moments to
     # wait for, rather than guessed sleeps.
     entered: list[bool] = []
     returned: list[bool] = []
-    real_open = sc._open_dlq
+    real_open = sc.dlqs.open_sqlite
 
     def open_and_tell(config):
         entered.append(True)
@@ -292,7 +292,7 @@ async def test_shutting_down_while_a_reload_opens_the_dlq_leaves_no_writer(
         finally:
             returned.append(True)
 
-    sc._open_dlq = open_and_tell  # type: ignore[method-assign]
+    sc.dlqs.open_sqlite = open_and_tell  # type: ignore[method-assign]
     await sc.start()
     blocker = sqlite3.connect(db, isolation_level=None)  # the file appears after the start
     blocker.execute("PRAGMA journal_mode=WAL")

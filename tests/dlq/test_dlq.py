@@ -185,7 +185,7 @@ async def test_disk_full_is_reported_and_the_proxy_keeps_serving(
     up = await upstream_factory(reply(503))
     db = tmp_path / "dlq.sqlite3"
     sc = Sidecar(parse_text(dlq_yaml(up.url, db)))
-    sc.dlq_max_page_count = 8
+    sc.dlqs.max_page_count = 8
     await sc.start()
     try:
         seen = []

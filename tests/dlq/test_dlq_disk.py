@@ -133,7 +133,7 @@ async def test_a_failing_dlq_write_does_not_log_a_line_per_request(
     up = await upstream_factory(reply(503))
     db = tmp_path / "dlq.sqlite3"
     sc = Sidecar(parse_text(dlq_yaml(up.url, db, retry="{attempts: 1}")))
-    sc.dlq_max_page_count = 8  # SQLITE_FULL, as a full disk gives
+    sc.dlqs.max_page_count = 8  # SQLITE_FULL, as a full disk gives
     await sc.start()
     try:
         caplog.set_level(logging.ERROR, logger="sidecar.dlq")

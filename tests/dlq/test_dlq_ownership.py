@@ -517,7 +517,7 @@ async def test_redrive_survives_storage_errors(upstream_factory, client, tmp_pat
     sc = Sidecar(
         parse_text(dlq_yaml(up.url, db, "{enabled: true, redrive: {enabled: true, interval: 1s}}"))
     )
-    sc.dlq_busy_timeout_ms = 100
+    sc.dlqs.busy_timeout_ms = 100
     await sc.start()
     try:
         async with client.put(f"http://127.0.0.1:{sc.proxy_port}/o", data=b"v") as resp:

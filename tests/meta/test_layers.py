@@ -42,7 +42,9 @@ LAYERS: tuple[frozenset[str], ...] = (
 # idempotency guard (with its settings, the answers it takes and gives, and the store's
 # contract), nothing else of the idempotency package.
 FACES: dict[tuple[str, str], frozenset[str]] = {
-    ("proxy", "dlq"): frozenset({"sidecar.dlq.capture", "sidecar.dlq.record", "sidecar.dlq.store"}),
+    ("proxy", "dlq"): frozenset(
+        {"sidecar.dlq.capture", "sidecar.dlq.record", "sidecar.dlq.contract"}
+    ),
     ("proxy", "idempotency"): frozenset(
         {
             "sidecar.idempotency.guard",
