@@ -459,3 +459,6 @@ def test_what_needs_the_fleet_redis_is_refused_without_it():
     values = {"sidecar": {"policy": {"idempotency": {"backend": "redis"}, "routes": app}}}
     with pytest.raises(helm.HelmError, match=r"backend: redis needs fleet\.redis\.url"):
         render(values)
+    values = {"sidecar": {"policy": {"dlq": {"backend": "redis"}, "routes": app}}}
+    with pytest.raises(helm.HelmError, match=r"dlq\.backend: redis needs fleet\.redis\.url"):
+        render(values)
