@@ -123,6 +123,9 @@ class ProcessStatus:
     # Fleet kill switches: "off" (fleet.killswitch false), "connected" or "unreachable" (the
     # switches last known are kept).
     fleet_switches: str = "off"
+    # While unreachable: the text of the error that made it so (Redis's own words:
+    # a refused password, no such database, a refused connection, "did not answer in time").
+    fleet_error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +221,7 @@ async def take(src: StatusSources, window: str = DEFAULT_WINDOW) -> Status:
         dlq="open" if dlq_open else _dlq_off(src),
         dlq_path=config.dlq.path,
         fleet_switches=_fleet(src.kill),
+        fleet_error=None if src.kill.fleet is None else src.kill.fleet.link.last_error,
     )
     return Status(wall, window, win.seconds, process, routes, switches)
 
