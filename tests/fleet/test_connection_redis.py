@@ -34,8 +34,11 @@ def redis(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
 
 
-def link_to(url: str, clock: FakeClock, timeout: float = 5.0, **env: str) -> FleetLink:
+def link_to(
+    url: str, clock: FakeClock, timeout: float = 5.0, env: dict[str, str] | None = None
+) -> FleetLink:
     """Made inside the loop that uses it (its connections belong to that loop)."""
+    env = env or {}
     password_env = "PW" if env else None
     return FleetLink(FleetRedis(url, "t:", password_env, timeout), clock, env)
 
@@ -157,7 +160,7 @@ def test_a_redis_that_refuses_is_a_warning_with_its_words_once_per_kind_per_30s(
 
     async def main() -> None:
         clock = FakeClock()
-        link = link_to(url, clock, **env)
+        link = link_to(url, clock, env=env)
         try:
             for _ in range(5):
                 with pytest.raises(FleetUnavailable, match=says):

@@ -156,6 +156,7 @@ async def test_redis_killed_keeps_the_switches_and_says_so_then_converges(
 
     await until_async(disconnected, "fleet_connected 0 on both", timeout=BOUND)
     assert await scopes(a) == {"global"} and await scopes(b) == {"global"}  # kept
+
     # The cause, in the client's own words, beside "unreachable" (GET /status and the page);
     # the first failure may be the old connection closed, the next ones are refused.
     async def refused() -> bool:
