@@ -352,7 +352,8 @@ def _process(st: Status) -> str:
         )
     if p.fleet_switches != "off":
         cls = "ok" if p.fleet_switches == "connected" else "bad"
-        kept = "" if cls == "ok" else " <small>(the switches last known are kept)</small>"
+        why = f"{escape(p.fleet_error)}; " if p.fleet_error else ""
+        kept = "" if cls == "ok" else f" <small>({why}the switches last known are kept)</small>"
         items.append(
             ("Fleet switches", f'<span class="{cls}" id="fleet">{p.fleet_switches}</span>{kept}')
         )

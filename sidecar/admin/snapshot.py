@@ -130,6 +130,9 @@ class ProcessStatus:
     # What the start-up check of the DLQ's store found wrong (a fleet Redis that does not
     # fsync every write, or whose settings cannot be read), or None.
     dlq_warning: str | None = None
+    # While unreachable: the text of the error that made it so (Redis's own words:
+    # a refused password, no such database, a refused connection, "did not answer in time").
+    fleet_error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +229,7 @@ async def take(src: StatusSources, window: str = DEFAULT_WINDOW) -> Status:
         dlq_path=src.dlq.location(),
         fleet_switches=_fleet(src.kill),
         dlq_warning=src.dlq.warning(),
+        fleet_error=None if src.kill.fleet is None else src.kill.fleet.link.last_error,
     )
     return Status(wall, window, win.seconds, process, routes, switches)
 

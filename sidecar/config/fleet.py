@@ -32,6 +32,11 @@ _OTHER_FORMS = {
     "redis-cluster": "Redis Cluster is not supported: use one primary (with replicas)",
 }
 _PREFIX = re.compile(r"^[\x21-\x7e]{1,64}$")
+# A host name (letters, digits, dots, hyphens, underscores as Kubernetes Services may have), an
+# IPv4 address, or an IPv6 address (written in brackets in the URL).
+_HOST = re.compile(
+    r"^(?:[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?|[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*)$"
+)
 MAX_DB = 2**31 - 1
 
 
@@ -58,6 +63,8 @@ def redis_url(value: object) -> str | None:
         )
     if not parts.hostname:
         raise c.Invalid("the URL names no host")
+    if not _HOST.match(parts.hostname):
+        raise c.Invalid(f"not a host name or IP address: {parts.hostname!r}")
     if port == 0:
         raise c.Invalid("the port must be from 1 to 65535")
     if parts.query or parts.fragment:

@@ -8,12 +8,34 @@ call); the client does not retry by itself, so one call never takes several time
 After a failure the Redis is left alone for a pause that doubles up to ``BACKOFF_MAX``
 (``ReconnectPause``, pure, clock-injected): calls in the pause fail at once instead of each waiting
 its timeout on a Redis that is down or paused; the first call after it tries again, and a
-success ends the pause. redis-py reconnects by itself on that call.
+success ends the pause. redis-py reconnects by itself on that call. A failure is logged as a
+warning with Redis's own words, once per kind per 30 s (``report.ErrorReport``), and its text is
+kept for the status page.
+
+Connections. The pool hands out a connection only after checking it (redis-py's
+``ensure_connection``): one that Redis closed while it sat idle (a Redis restart, an idle
+timeout) shows end-of-file, and is replaced by a new connection before any command is sent on
+it, so a restart is no failure of the next call. redis-py skips that check when its
+"maintenance notifications" are on (``auto`` by default, for Redis Enterprise and Cloud
+endpoints that push them): they are turned off here. Its other means were rejected: a
+``health_check_interval`` PING reconnects only through the client's ``Retry``, and a ``Retry``
+with retries re-sends pipelines and commands that may have run (a claim, a switch write must
+not run twice). What remains: a connection cut while a command is on it (Redis restarted
+mid-command), or one whose peer vanished without closing it (no end-of-file to see), fails that
+call, as it should: Redis may or may not have run the command.
+
+At most ``CALLS_MAX`` calls of one link are in flight at once; a call beyond them waits for one
+to end, within its own ``timeout``. Each call holds one connection at a time (one command, one
+pipeline or one script), so the pool (``CALLS_MAX`` plus ``SPARE`` for a subscription and the
+like, a blocking pool) never runs out, and a burst during a short stall waits instead of failing
+with "Too many connections". A call that found no free slot within its timeout is a local
+shortage, not a failure of Redis's: it is a ``FleetUnavailable`` that starts no pause.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -21,13 +43,21 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sidecar.config.fleet import FleetRedis
 from sidecar.core import Clock
+from sidecar.fleet.report import ErrorReport
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
 T = TypeVar("T")
+# Calls of one link in flight at once. Redis runs commands one at a time, and a call holds its
+# connection for a round trip (about 0.1-1 ms), so 64 carry tens of thousands of calls a second;
+# more would only open more sockets during a stall (N replicas x links x CALLS_MAX at the Redis,
+# far below its default maxclients of 10000) without any call being answered sooner.
+CALLS_MAX = 64
+SPARE = 4  # connections beyond CALLS_MAX: the kill switches' subscription and the like
 BACKOFF_FIRST = 0.1  # seconds after the first failure; doubled each time
 BACKOFF_MAX = 2.0
+log = logging.getLogger("sidecar.fleet")
 
 
 class FleetUnavailable(Exception):
@@ -45,9 +75,10 @@ def password(settings: FleetRedis, environ: Mapping[str, str]) -> str | None:
 def make_client(settings: FleetRedis, environ: Mapping[str, str] | None = None) -> Redis:
     """A client of ``settings.url`` (which must be set), no retries of its own."""
     assert settings.url is not None, "fleet mode needs fleet.redis.url"
-    from redis.asyncio import Redis
+    from redis.asyncio import BlockingConnectionPool, Redis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
+    from redis.maint_notifications import MaintNotificationsConfig
 
     options: dict[str, Any] = {
         "socket_timeout": settings.timeout,
@@ -56,11 +87,15 @@ def make_client(settings: FleetRedis, environ: Mapping[str, str] | None = None) 
         "retry": Retry(NoBackoff(), 0),
         "decode_responses": False,
         "client_name": "retry-sidecar",
+        # Off, so that the pool checks an idle connection before handing it out (see above).
+        "maint_notifications_config": MaintNotificationsConfig(enabled=False),
+        "max_connections": CALLS_MAX + SPARE,
+        "timeout": settings.timeout,  # the pool's wait for a free connection
     }
     secret = password(settings, os.environ if environ is None else environ)
     if secret is not None:
         options["password"] = secret
-    return Redis.from_url(settings.url, **options)
+    return Redis.from_pool(BlockingConnectionPool.from_url(settings.url, **options))
 
 
 def failures() -> tuple[type[BaseException], ...]:
@@ -99,6 +134,14 @@ class ReconnectPause:
         return self.failures == 0
 
 
+def describe(exc: BaseException) -> tuple[str, str]:
+    """A failure's kind (its class: one warning per kind) and its text, Redis's own words."""
+    kind = type(exc).__name__
+    if kind == "TimeoutError":  # asyncio's or redis-py's
+        return kind, "did not answer in time"
+    return kind, f"{str(exc) or kind} ({kind})"
+
+
 class FleetLink:
     """One client of the fleet's Redis with its pause after failures: every call bounded by
     ``timeout``, a failure a ``FleetUnavailable``."""
@@ -110,30 +153,58 @@ class FleetLink:
         self.prefix = settings.key_prefix
         self.timeout = settings.timeout
         self.backoff = ReconnectPause()
+        self.errors = ErrorReport()
         self._clock = clock
         self._failures = failures()
+        self._slots = asyncio.Semaphore(CALLS_MAX)
 
     @property
     def connected(self) -> bool:
         return self.backoff.connected
 
+    @property
+    def last_error(self) -> str | None:
+        """The text of the failure that made the link unreachable; None while connected."""
+        return None if self.connected else self.errors.last
+
     async def call(self, fn: Callable[[Redis], Awaitable[T]]) -> T:
-        """``fn(client)`` within ``timeout``; ``FleetUnavailable`` when Redis cannot answer
-        or is in its pause. A cancelled call is no failure of Redis's."""
+        """``fn(client)`` within ``timeout`` (the wait for a free slot included);
+        ``FleetUnavailable`` when Redis cannot answer, is in its pause, or no slot came free in
+        time. A cancelled call, or one that found no slot, is no failure of Redis's."""
         now = self._clock.monotonic()
         if not self.backoff.ready(now):
             wait = self.backoff.next_try - now
-            raise FleetUnavailable(f"the fleet Redis is unreachable (next try in {wait:.1f}s)")
+            raise FleetUnavailable(
+                f"the fleet Redis is unreachable: {self.errors.last or 'failed'} "
+                f"(next try in {wait:.1f}s)"
+            )
+        deadline = asyncio.get_running_loop().time() + self.timeout
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout_at(deadline):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise FleetUnavailable(
+                f"no connection to the fleet Redis came free in time ({CALLS_MAX} calls in flight)"
+            ) from None
+        try:
+            async with asyncio.timeout_at(deadline):
                 result = await fn(self.client)
         except self._failures as exc:
-            self.backoff.failed(self._clock.monotonic())
-            timed_out = type(exc).__name__ == "TimeoutError"  # asyncio's or redis-py's
-            kind = "did not answer in time" if timed_out else str(exc) or type(exc).__name__
-            raise FleetUnavailable(f"the fleet Redis is unreachable: {kind}") from None
+            raise self._failed(exc) from None
+        finally:
+            self._slots.release()
         self.backoff.succeeded()
+        self.errors.succeeded()
         return result
+
+    def _failed(self, exc: BaseException) -> FleetUnavailable:
+        now = self._clock.monotonic()
+        self.backoff.failed(now)
+        kind, text = describe(exc)
+        warning = self.errors.failed(kind, text, now)
+        if warning is not None:
+            log.warning(warning)
+        return FleetUnavailable(f"the fleet Redis is unreachable: {text}")
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -2,15 +2,25 @@
 
 The fleet's truth is one Redis hash, ``<key_prefix>killswitches``: a field per scope, its value
 the switch as JSON (scope, reason, set_by, set_on: the name of the sidecar it was set on,
-set_at and expires_at as wall-clock epoch seconds). A set is ``HSET`` then ``PUBLISH`` on
-``<key_prefix>killswitches:changed``; a lift is ``HDEL`` then the same ``PUBLISH``. Each sidecar
-runs one background task (``fleet-switches``) that reads the whole hash every ``READ_EVERY``
-second and at once when a message arrives, so a change reaches it within about a second
-(at once with the message; at the latest with the next read, which also brings a sidecar that
-was disconnected or started later up to date).
+set_at and expires_at as wall-clock epoch seconds). A set writes the field and publishes its
+scope on ``<key_prefix>killswitches:changed``; a lift deletes it and publishes the same. Each
+sidecar runs one background task (``fleet-switches``) that reads the whole hash every
+``READ_EVERY`` second and at once when a message arrives, so a change reaches it within about a
+second (at once with the message; at the latest with the next read, which also brings a sidecar
+that was disconnected or started later up to date).
+
+A set or a lift is one Lua script carrying a deadline on Redis's own clock: the call first reads
+``TIME``, then sends the script with the instant, on Redis's clock, by which the sidecar still
+waits for its answer (``deadline``: the call's timeout less what has passed and one round trip).
+A script that Redis runs later (it was paused, or stalled, while the sidecar gave up and
+answered 503 "nothing changed") refuses and changes nothing, so the 503 stays true. What
+remains: a script run in time whose answer is lost or comes too late (a connection cut after it
+ran) is reported as not done although it was; a set or lift again settles it.
 
 A switch ends at its ``expires_at`` compared with the (injected) wall clock, so it expires on
-every sidecar without one of them acting; the reader also deletes expired fields it finds.
+every sidecar without one of them acting; the reader also deletes the expired fields it finds,
+each only if it still holds the value judged expired (a compare-and-delete script), so a switch
+set again in the meantime is never deleted by a reader that saw the old one.
 While the Redis cannot be read, each sidecar keeps the switches it last knew (each still ends
 at its own ``expires_at``) and ``connected`` says so.
 
@@ -35,8 +45,46 @@ from sidecar.fleet.connection import FleetLink, FleetUnavailable
 if TYPE_CHECKING:
     from redis.asyncio import Redis
     from redis.asyncio.client import PubSub
+    from redis.commands.core import AsyncScript
 
 READ_EVERY = 1.0  # seconds between two reads of the shared hash
+# KEYS: the hash; ARGV: the deadline on Redis's clock (seconds), the channel, the scope, the
+# value. Nothing written once Redis's clock is past the deadline: the sidecar has given up.
+_IN_TIME = """
+local t = redis.call('TIME')
+if tonumber(t[1]) + tonumber(t[2]) / 1000000 > tonumber(ARGV[1]) then
+  return redis.error_reply('LATE the sidecar had given up waiting: nothing changed')
+end
+"""
+_SET = (
+    _IN_TIME
+    + """
+redis.call('HSET', KEYS[1], ARGV[3], ARGV[4])
+redis.call('PUBLISH', ARGV[2], ARGV[3])
+return 1
+"""
+)
+# ARGV: the deadline, the channel, the scope; returns the value deleted, or false.
+_LIFT = (
+    _IN_TIME
+    + """
+local raw = redis.call('HGET', KEYS[1], ARGV[3])
+redis.call('HDEL', KEYS[1], ARGV[3])
+redis.call('PUBLISH', ARGV[2], ARGV[3])
+return raw
+"""
+)
+# KEYS: the hash; ARGV: field, value, field, value...: each field deleted only if it still holds
+# the value the reader judged expired.
+_PRUNE = """
+local n = 0
+for i = 1, #ARGV, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
+    n = n + redis.call('HDEL', KEYS[1], ARGV[i])
+  end
+end
+return n
+"""
 TASK = "fleet-switches"
 log = logging.getLogger("sidecar.fleet")
 
@@ -71,15 +119,17 @@ def parse(raw: bytes) -> FleetSwitch | None:
     return sw
 
 
-def merge(read: Mapping[bytes, bytes], wall: float) -> tuple[dict[str, FleetSwitch], list[bytes]]:
+def merge(
+    read: Mapping[bytes, bytes], wall: float
+) -> tuple[dict[str, FleetSwitch], dict[bytes, bytes]]:
     """The shared hash as read: the switches in force at ``wall`` by scope, and the fields to
-    delete (expired, or not a switch)."""
+    delete (expired, or not a switch) with the values they were judged on."""
     live: dict[str, FleetSwitch] = {}
-    stale: list[bytes] = []
+    stale: dict[bytes, bytes] = {}
     for field, raw in read.items():
         sw = parse(raw)
         if sw is None or sw.expires_at <= wall or sw.scope != field.decode(errors="replace"):
-            stale.append(field)
+            stale[field] = raw
         else:
             live[sw.scope] = sw
     return live, stale
@@ -87,6 +137,15 @@ def merge(read: Mapping[bytes, bytes], wall: float) -> tuple[dict[str, FleetSwit
 
 def in_force(known: Mapping[str, FleetSwitch], wall: float) -> list[FleetSwitch]:
     return [sw for sw in known.values() if sw.expires_at > wall]
+
+
+def deadline(server_now: float, asked: float, answered: float, give_up: float) -> float:
+    """The instant on Redis's clock past which a write must not run: Redis's clock read
+    (``TIME`` = ``server_now``) between the local instants ``asked`` and ``answered``, and the
+    local instant ``give_up`` at which the caller stops waiting. Redis's clock at ``give_up`` is
+    at least ``server_now + (give_up - answered)``; one round trip less leaves the answer time
+    to come back. Pure: the local instants are one monotonic clock's."""
+    return server_now + (give_up - answered) - (answered - asked)
 
 
 def sidecar_name() -> str:
@@ -107,6 +166,9 @@ class FleetSwitches:
         self._known: dict[str, FleetSwitch] = {}
         self._on_change: list[Callable[[], None]] = []
         self._wake = asyncio.Event()
+        self._set = link.client.register_script(_SET)
+        self._lift = link.client.register_script(_LIFT)
+        self._prune = link.client.register_script(_PRUNE)
 
     @classmethod
     def of(cls, fleet: Fleet, clock: Clock) -> FleetSwitches | None:
@@ -135,27 +197,31 @@ class FleetSwitches:
             for listener in self._on_change:
                 listener()
 
+    async def _in_time(self, script: AsyncScript, args: list[bytes | str]) -> Any:
+        """``script`` on the hash with ``args`` after its deadline and the channel, in one
+        call; Redis runs it only while this sidecar still waits for the answer (see above)."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.link.timeout  # the call's own timeout starts after this
+
+        async def run(r: Redis) -> Any:
+            asked = loop.time()
+            seconds, micros = await r.time()
+            answered = loop.time()
+            until = deadline(seconds + micros / 1_000_000, asked, answered, give_up)
+            head: list[bytes | str] = [repr(until), self.channel]
+            return await script(keys=[self.hash], args=head + args, client=r)
+
+        return await self.link.call(run)
+
     async def set(self, sw: FleetSwitch) -> None:
         """Store and announce ``sw``; ``FleetUnavailable`` when Redis cannot take it (then
-        nothing changed here)."""
-
-        async def write(r: Redis) -> None:
-            await r.hset(self.hash, sw.scope, sw.encode())
-            await r.publish(self.channel, sw.scope)
-
-        await self.link.call(write)
+        nothing changed, here or in Redis)."""
+        await self._in_time(self._set, [sw.scope, sw.encode()])
         self._replace({**self._known, sw.scope: sw})
 
     async def lift(self, scope: str) -> bool:
         """Delete and announce the switch of ``scope``; whether the fleet had it in force."""
-
-        async def delete(r: Redis) -> Any:
-            raw = await r.hget(self.hash, scope)
-            gone = await r.hdel(self.hash, scope)
-            await r.publish(self.channel, scope)
-            return raw if gone else None
-
-        raw = await self.link.call(delete)
+        raw = await self._in_time(self._lift, [scope])
         self._replace({s: sw for s, sw in self._known.items() if s != scope})
         sw = parse(raw) if raw is not None else None
         return sw is not None and sw.expires_at > self._clock.wall()
@@ -170,7 +236,8 @@ class FleetSwitches:
 
         live, stale = merge(await self.link.call(read_all), self._clock.wall())
         if stale:
-            await self.link.call(lambda r: r.hdel(self.hash, *stale))
+            pairs = [part for field, raw in stale.items() for part in (field, raw)]
+            await self.link.call(lambda r: self._prune(keys=[self.hash], args=pairs, client=r))
         self._replace(live)
 
     async def run(self) -> None:

@@ -69,6 +69,8 @@ def test_redis_and_rediss_urls_are_accepted(url: str) -> None:
         ("redis://redis.retry:6379/zero", "database number"),
         ("redis://redis.retry:99999", "not a valid URL"),
         ("redis://:6379", "no host"),
+        ("redis://redis retry:6379/0", "not a host name or IP address: 'redis retry'"),
+        ("redis://-redis:6379/0", "not a host name"),
     ],
 )
 def test_other_url_forms_are_refused_with_line_and_key_path(url: str, says: str) -> None:

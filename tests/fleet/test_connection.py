@@ -17,6 +17,7 @@ from sidecar.fleet.connection import (
     ReconnectPause,
     password,
 )
+from sidecar.fleet.report import ErrorReport
 from sidecar.testing import FakeClock
 from tests.proc import free_port
 
@@ -72,3 +73,16 @@ def test_a_link_to_nothing_fails_then_pauses_without_asking() -> None:
             await link.close()
 
     asyncio.run(main())
+
+
+def test_a_kind_of_failure_is_told_once_per_period_with_how_many_were_left_out() -> None:
+    report = ErrorReport(every=30.0)
+    assert report.failed("AuthenticationError", "WRONGPASS", 100.0) is not None
+    assert report.failed("AuthenticationError", "WRONGPASS", 110.0) is None
+    assert report.failed("TimeoutError", "did not answer in time", 111.0) is not None  # own kind
+    assert report.failed("AuthenticationError", "WRONGPASS", 129.9) is None
+    told = report.failed("AuthenticationError", "WRONGPASS", 130.0)
+    assert told == "the fleet Redis failed: WRONGPASS (2 more like it since the last warning)"
+    assert report.last == "WRONGPASS"
+    report.succeeded()
+    assert report.last is None

@@ -156,8 +156,17 @@ async def test_redis_killed_keeps_the_switches_and_says_so_then_converges(
 
     await until_async(disconnected, "fleet_connected 0 on both", timeout=BOUND)
     assert await scopes(a) == {"global"} and await scopes(b) == {"global"}  # kept
+
+    # The cause, in the client's own words, beside "unreachable" (GET /status and the page);
+    # the first failure may be the old connection closed, the next ones are refused.
+    async def refused() -> bool:
+        status, body = await call("GET", b, "/status")
+        return status == 200 and "Error 111 connecting to" in str(body["process"]["fleet_error"])
+
+    await until_async(refused, "the refused connection named on GET /status", timeout=BOUND)
     async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{b}/") as r:
-        assert 'id="fleet">unreachable' in await r.text()
+        page = await r.text()
+    assert 'id="fleet">unreachable' in page and "Error 111 connecting to" in page
     status, body = await call("DELETE", b, "/killswitch?scope=global")
     assert status == 503 and "nothing changed" in body["error"]
     status, body = await call("PUT", b, "/killswitch", {**GLOBAL, "scope": "route:orders"})
@@ -168,6 +177,7 @@ async def test_redis_killed_keeps_the_switches_and_says_so_then_converges(
         return await fleet_gauge(a) == "1" and await fleet_gauge(b) == "1"
 
     await until_async(connected, "fleet_connected 1 on both", timeout=BOUND)
+    assert (await call("GET", b, "/status"))[1]["process"]["fleet_error"] is None
     assert (await call("DELETE", b, "/killswitch?scope=global"))[0] == 200
     await seen([a, b], set(), "the lift after the restart on both")
 

@@ -151,3 +151,30 @@ async def test_a_redis_killed_and_restarted_mid_traffic_loses_no_kept_answer(
             # claimed until its lease -- never run twice.
             assert status == 409 or (status, again) == (201, body), key
     assert len(app.writes) == len(set(app.writes))  # no write ran twice
+
+
+@pytest.mark.parametrize("on_error", ["refuse", "pass"])
+async def test_after_a_redis_restart_the_next_duplicate_is_replayed_not_a_store_error(
+    app: WriteApp,
+    tmp_path: Path,
+    proc_stack: list[SidecarProcess],
+    redis: RedisServer,
+    on_error: str,
+) -> None:
+    """A Redis restarted gracefully (its AOF keeps the key) closes the sidecar's idle pooled
+    connections: they are replaced before a command is sent, so the duplicate that comes once
+    Redis answers again finds the key, under either ``on_store_error``."""
+    port, admin = await start_in(
+        proc_stack,
+        tmp_path / "a",
+        fleet_config(app, redis, f"{{enabled: true, on_store_error: {on_error}}}"),
+    )
+    for i in range(3):
+        assert (await post(port, key=f"k{i}"))[0] == 201
+        redis.stop()  # SIGTERM: the connections it had are closed; the files stay
+        redis.start()  # answers PING before it returns
+        status, headers, again = await post(port, key=f"k{i}")
+        assert (status, headers.get("Idempotent-Replayed")) == (201, "true"), again
+    assert len(app.writes) == 3
+    seen = await counts(admin)
+    assert (seen["first"], seen["replayed"], seen["store-error"]) == (3, 3, 0)
