@@ -3,11 +3,13 @@ one and over no proxy at a fixed rate (500 req/s by default, open loop: requests
 schedule whatever the answers), and how fast a replay is answered against the app itself.
 
     python3 -m bench.idempotency [--rate 500] [--seconds 10] [--app-ms 5] [--block 1]
+                                 [--appendfsync always]
 
 One run, one real aiohttp app on loopback, two real sidecar processes with shipped defaults
 except where the keys live: one with the SQLite store (``idempotency: {backend: sqlite}``), one
 with the fleet's Redis store (``idempotency: {backend: redis}``, a real ``redis-server`` with
-``appendonly yes`` and ``appendfsync always``, as the README asks of it: tests/redisserver.py).
+``appendonly yes`` and ``appendfsync always``, as the README asks of it: tests/redisserver.py;
+``--appendfsync everysec`` or ``no`` sets it otherwise, to tell Redis's fsync from the rest).
 Five arms: the app directly (no proxy), and per store an unguarded and a guarded route. They are
 measured in alternating blocks of ``--block`` seconds (``--seconds`` in all for each; the order
 rotates from block to block), so a noisy moment of a shared machine falls on all of them. Every
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import redis
 from aiohttp import web
 
 from tests import redisserver
@@ -202,20 +205,23 @@ def table(out: dict[str, object]) -> str:
 
 
 @contextmanager
-def redis_server(directory: Path) -> Iterator[redisserver.RedisServer]:
-    """A real redis-server (AOF, fsync on every write), stopped by PID however the run ends."""
+def redis_server(directory: Path, appendfsync: str) -> Iterator[redisserver.RedisServer]:
+    """A real redis-server (AOF, fsync on every write unless ``appendfsync`` says otherwise),
+    stopped by PID however the run ends."""
     if not redisserver.available():
         raise SystemExit("redis-server is not installed (.ci/run installs Debian's redis-server)")
     server = redisserver.RedisServer(directory)
     try:
         server.start()
+        with redis.Redis(port=server.port) as client:
+            client.config_set("appendfsync", appendfsync)
         yield server
     finally:
         server.stop()
 
 
 async def measure(args: argparse.Namespace, app_port: int, directory: Path) -> dict[str, object]:
-    with redis_server(directory / "redis-server") as redis:
+    with redis_server(directory / "redis-server", args.appendfsync) as server:
         procs: list[SidecarProcess] = []
         try:
             sidecars: dict[str, int] = {}
@@ -223,7 +229,7 @@ async def measure(args: argparse.Namespace, app_port: int, directory: Path) -> d
                 port, admin = free_port(), free_port()
                 (directory / store).mkdir()
                 cfg = directory / store / "sidecar.yaml"
-                sections = storage(store, directory / store, redis.url)
+                sections = storage(store, directory / store, server.url)
                 cfg.write_text(config(app_port, port, admin, sections))
                 proc = SidecarProcess(cfg)
                 procs.append(proc)
@@ -259,6 +265,7 @@ async def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--app-ms", type=float, default=5.0)
     ap.add_argument("--block", type=float, default=1.0, help="seconds per alternating block")
+    ap.add_argument("--appendfsync", choices=("always", "everysec", "no"), default="always")
     args = ap.parse_args()
     runner, app_port = await start_app(args.app_ms)
     try:
@@ -266,7 +273,13 @@ async def main() -> None:
             out = await measure(args, app_port, Path(tmp))
     finally:
         await runner.cleanup()
-    out.update(rate=args.rate, seconds=args.seconds, app_ms=args.app_ms, block=args.block)
+    out.update(
+        rate=args.rate,
+        seconds=args.seconds,
+        app_ms=args.app_ms,
+        block=args.block,
+        appendfsync=args.appendfsync,
+    )
     print(json.dumps(out, indent=2))
     print(table(out))
 

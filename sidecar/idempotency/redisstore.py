@@ -5,25 +5,29 @@ One hash per key, ``<key_prefix>idem:<stored key>``: ``finished``, ``fingerprint
 ``created_at``, ``expires_at`` and, once finished, the kept answer (``status``, ``headers``,
 ``body``, ``kept``, ``size``). The calls map onto Redis as ``store.py`` says:
 
-- ``claim``: an optimistic transaction: ``WATCH`` the key, read it, decide with the same
-  ``decision.decide`` as every store, and write the claim in ``MULTI``/``EXEC`` (a concurrent
-  writer makes ``EXEC`` fail and the claim reads again), so concurrent claims of one key from
-  any number of sidecars give one ``Claimed``. An in-progress key expires by itself
-  (``PEXPIRE``) ``ABANDONED_KEEP`` after its lease, a finished one after its ttl: ``prune`` has
-  nothing to do.
+- ``claim``: one Lua script, one round trip (``EVALSHA``): an absent key (which ``decide``
+  judges ``first`` whatever the request) is claimed on the spot; otherwise the script writes
+  nothing and answers the key's fields with the server's ``now``, and ``decide`` -- the same
+  pure function as every store's, the one copy of the decision -- judges them here. When it
+  says the key may be taken (a lease run out, or a finished key past its ttl) the script runs
+  once more, told the state that was judged: it writes the claim only if the key still holds
+  exactly that state (a compare-and-set on ``finished``, ``fingerprint``, ``token``,
+  ``expires_at``), else it answers the new state to judge again. So concurrent claims of one
+  key from any number of sidecars give one ``Claimed``, and a fresh key (every first write)
+  costs one round trip. An in-progress key expires by itself (``PEXPIRE``) ``ABANDONED_KEEP``
+  after its lease, a finished one after its ttl: ``prune`` has nothing to do.
 - ``complete`` / ``release``: Lua compare-and-set / compare-and-delete on the claim token,
   atomic on the server.
 - ``get`` / ``forget``: ``HGETALL`` / ``DEL``.
 
-Times are the server's clock (``TIME``: read inside the claim's ``WATCH`` round, and inside
-the complete and renew scripts where they write an expiry), so replicas need not agree on
-their wall clocks: expiry stamps are compared by ``decide`` against Redis's ``now``; Redis's
-own expiry uses durations only. (A ``Busy``'s expiry is told on the caller's wall clock.)
-Every call is bounded by
-``fleet.redis.timeout`` (``FleetLink``); past it, or while the link pauses after a failure, the
-call is a ``StoreError`` and the route's ``on_store_error`` applies. A claim that timed out or
-was cancelled after it was sent is undone: its token is released (and once more a timeout
-later, in case the claim reached Redis after the first release).
+Times are the server's clock (``TIME``, read inside the claim, complete and renew scripts), so
+replicas need not agree on their wall clocks: expiry stamps are compared by ``decide`` against
+Redis's ``now``; Redis's own expiry uses durations only. (A ``Busy``'s expiry is told on the
+caller's wall clock.) Every call is bounded by ``fleet.redis.timeout`` (``FleetLink``); past
+it, or while the link pauses after a failure, the call is a ``StoreError`` and the route's
+``on_store_error`` applies. A claim that timed out or was cancelled after it was sent is undone:
+its token is released (and once more a timeout later, in case the claim reached Redis after the
+first release).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import json
 import math
 import secrets
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sidecar.core import Clock
 from sidecar.fleet.connection import FleetLink, FleetUnavailable
@@ -53,10 +57,9 @@ from sidecar.idempotency.store import (
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
-    from redis.asyncio.client import Pipeline
 
 T = TypeVar("T")
-ROUNDS = 50  # optimistic rounds of one claim before it counts as a store error
+ROUNDS = 50  # rounds of one claim (each lost to another writer) before it is a store error
 
 # The server's clock, in seconds (``TIME``: seconds and microseconds), as a string of the
 # exact decimal (Lua's tostring would round to 14 digits).
@@ -64,6 +67,33 @@ _NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 """
+# The fields a claim's compare-and-set compares: what ``decide`` reads, and the token.
+VERSION = ("finished", "fingerprint", "token", "expires_at")
+# KEYS[1]: the key; ARGV: fingerprint, token, lease (seconds), px (the lease plus the abandoned
+# keep), the state judged ('' on a first try: claim only an absent key; else VERSION's fields
+# joined by '|': claim only over exactly that state). Answers {1, now}: claimed an absent key;
+# {2, now}: claimed over the state judged; {0, now, fields}: nothing written, judge these.
+_CLAIM = (
+    _NOW
+    + """
+local nowtext = string.format('%.6f', now)
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  local v = redis.call('HMGET', KEYS[1], 'finished', 'fingerprint', 'token', 'expires_at')
+  local held = (v[1] or '') .. '|' .. (v[2] or '') .. '|' .. (v[3] or '') .. '|' .. (v[4] or '')
+  if ARGV[5] == '' or held ~= ARGV[5] then
+    return {0, nowtext, redis.call('HGETALL', KEYS[1])}
+  end
+end
+local code = 1
+if ARGV[5] ~= '' and redis.call('DEL', KEYS[1]) == 1 then
+  code = 2
+end
+redis.call('HSET', KEYS[1], 'finished', '0', 'fingerprint', ARGV[1], 'token', ARGV[2],
+  'created_at', nowtext, 'expires_at', string.format('%.6f', now + tonumber(ARGV[3])))
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return {code, nowtext}
+"""
+)
 # KEYS[1]: the key; ARGV: token, ttl (seconds), status, headers, body, kept, size, px
 _COMPLETE = (
     _NOW
@@ -118,6 +148,12 @@ def _text(fields: Fields, name: str) -> str:
     return _raw(fields, name).decode()
 
 
+def _pairs(flat: list[bytes]) -> Fields:
+    """A hash as a script answers it (``HGETALL`` inside Lua: name, value, name, value...)."""
+    fields: dict[bytes | str, bytes | str] = dict(zip(flat[::2], flat[1::2], strict=True))
+    return fields
+
+
 def _state(fields: Fields) -> KeyState | None:
     if not fields:
         return None
@@ -160,6 +196,7 @@ class RedisIdempotencyStore:
         self._clock = clock
         self._abandoned_keep = abandoned_keep
         self._prefix = link.prefix + "idem:"
+        self._claim = link.client.register_script(_CLAIM)
         self._complete = link.client.register_script(_COMPLETE)
         self._release = link.client.register_script(_RELEASE)
         self._renew = link.client.register_script(_RENEW)
@@ -179,45 +216,31 @@ class RedisIdempotencyStore:
             raise StoreError(str(exc)) from None
 
     async def claim(self, key: str, fingerprint: str, lease: float) -> ClaimResult:
-        from redis.exceptions import WatchError
-
         token = secrets.token_hex(16)
         name = self._name(key)
-        keep = _ms(lease + self._abandoned_keep)
+        args = [fingerprint, token, repr(float(lease)), str(_ms(lease + self._abandoned_keep))]
 
         async def run(client: Redis) -> ClaimResult:
-            async with client.pipeline(transaction=True) as pipe:
-                for _ in range(ROUNDS):
-                    try:
-                        await pipe.watch(name)
-                        fields = await pipe.hgetall(name)
-                        now = await self._server_now(pipe)
-                        decision = decide(_state(fields), fingerprint, now)
-                        if decision is Decision.IN_PROGRESS:
-                            # The holder's lease end, told on this sidecar's wall clock.
-                            left = float(_text(fields, "expires_at")) - now
-                            return Busy(self._clock.wall() + left)
-                        if decision is Decision.MISMATCH:
-                            return Mismatch()
-                        if decision is Decision.REPLAYED:
-                            return Finished(_record(key, fields))
-                        pipe.multi()  # type: ignore[no-untyped-call]
-                        pipe.delete(name)
-                        pipe.hset(
-                            name,
-                            mapping={
-                                "finished": "0",
-                                "fingerprint": fingerprint,
-                                "token": token,
-                                "created_at": repr(now),
-                                "expires_at": repr(now + lease),
-                            },
-                        )
-                        pipe.pexpire(name, keep)
-                        await pipe.execute()
-                        return Claimed(token, took_over=decision is Decision.LEASE_EXPIRED)
-                    except WatchError:
-                        continue
+            judged = ""  # first try: claim the key only if it is absent
+            took_over = False
+            for _ in range(ROUNDS):
+                reply = await self._claim_round(client, name, [*args, judged])
+                code, now = int(reply[0]), float(reply[1])
+                if code:
+                    return Claimed(token, took_over=took_over and code == 2)
+                fields = _pairs(reply[2])
+                decision = decide(_state(fields), fingerprint, now)
+                if decision is Decision.IN_PROGRESS:
+                    # The holder's lease end, told on this sidecar's wall clock.
+                    left = float(_text(fields, "expires_at")) - now
+                    return Busy(self._clock.wall() + left)
+                if decision is Decision.MISMATCH:
+                    return Mismatch()
+                if decision is Decision.REPLAYED:
+                    return Finished(_record(key, fields))
+                # FIRST (finished, past its ttl) or LEASE_EXPIRED: claim over what was judged.
+                judged = "|".join(_text(fields, n) for n in VERSION)
+                took_over = decision is Decision.LEASE_EXPIRED
             raise StoreError(f"the claim of one key lost {ROUNDS} rounds to other writers")
 
         try:
@@ -226,10 +249,10 @@ class RedisIdempotencyStore:
             self._undo(key, token)  # the claim may have reached Redis after all
             raise
 
-    async def _server_now(self, pipe: Pipeline) -> float:
-        """The server's clock (``TIME``), in the claim's ``WATCH`` round: not ours."""
-        seconds, micros = await pipe.time()
-        return float(seconds + micros / 1_000_000)
+    async def _claim_round(self, client: Redis, name: str, args: list[str]) -> list[Any]:
+        """One run of the claim script: one round trip."""
+        reply: list[Any] = await self._claim(keys=[name], args=args, client=client)
+        return reply
 
     def _undo(self, key: str, token: str) -> None:
         task = asyncio.get_running_loop().create_task(self._undo_claim(key, token))

@@ -27,8 +27,8 @@ a hash or a packed value: state, fingerprint, token, expiry, answer):
   ours and the key is held, ``PEXPIRE key <lease + abandoned keep>`` and write the new lease end
   into the value; else nothing (returns whether it renewed).
 - ``get`` / ``forget``: ``GET`` / ``DEL``; ``prune``: nothing to do (``PX`` expires keys).
-- time: the server's clock (``TIME``: in the claim's ``WATCH`` round, inside the complete and
-  renew scripts), so replicas need not agree on theirs.
+- time: the server's clock (``TIME``, inside the claim, complete and renew scripts), so
+  replicas need not agree on theirs.
 """
 
 from __future__ import annotations

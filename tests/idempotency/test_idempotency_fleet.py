@@ -13,6 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from redis.asyncio import Redis
 
 from tests.idempotency import test_idempotency_process as process
 from tests.idempotency.test_idempotency_process import TIMEOUT, WriteApp, counts, post, problem
@@ -178,3 +179,33 @@ async def test_after_a_redis_restart_the_next_duplicate_is_replayed_not_a_store_
     assert len(app.writes) == 3
     seen = await counts(admin)
     assert (seen["first"], seen["replayed"], seen["store-error"]) == (3, 3, 0)
+
+
+async def test_a_first_write_is_two_commands_to_redis_one_claim_one_keep(
+    app: WriteApp,
+    tmp_path: Path,
+    proc_stack: list[SidecarProcess],
+    redis: RedisServer,
+) -> None:
+    """Each command is a round trip the guarded write waits for on a busy loop; the claim was
+    four (WATCH, HGETALL, TIME, MULTI/EXEC): its p99 tail under load. Seen from Redis's side
+    (MONITOR): between two markers, one guarded first write sends exactly one claim script and
+    one keep script, and nothing else (the scripts' own commands run inside Redis)."""
+    port, _ = await start_in(proc_stack, tmp_path / "a", fleet_config(app, redis))
+    assert (await post(port, key="warm"))[0] == 201  # its connection open, its scripts loaded
+    watcher = Redis.from_url(redis.url)
+    try:
+        async with asyncio.timeout(30), watcher.monitor() as monitor:
+            await watcher.echo("marker-begin")
+            assert (await post(port, key="measured"))[0] == 201
+            await watcher.echo("marker-end")
+            while (await monitor.next_command())["command"] != "ECHO marker-begin":
+                pass
+            sent: list[str] = []
+            while (got := await monitor.next_command())["command"] != "ECHO marker-end":
+                if got["client_type"] != "lua":
+                    sent.append(got["command"].split(" ", 1)[0].upper())
+    finally:
+        await watcher.aclose()
+    assert sent == ["EVALSHA", "EVALSHA"]
+    assert len(app.writes) == 2
