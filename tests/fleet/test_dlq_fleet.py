@@ -65,6 +65,17 @@ def client_list(port: int) -> list[str]:
     return [f.split("=", 1)[1] for line in lines for f in line.split() if f.startswith("name=")]
 
 
+async def redis_command(server: RedisServer, name: str, *args: Any) -> Any:
+    """One command on the test's Redis, through a client of its own."""
+    from redis.asyncio import Redis
+
+    r = Redis.from_url(server.url)
+    try:
+        return await r.execute_command(name, *args)
+    finally:
+        await r.aclose()
+
+
 def admin(sc: Any) -> str:
     return f"http://127.0.0.1:{sc.sidecar.admin_port}"
 
@@ -201,6 +212,60 @@ async def test_the_redrive_cancelled_mid_replay_gives_its_claim_back_and_stop_cl
         hang.set()
         await sc.stop()
     assert "retry-sidecar" not in client_list(redis_server.port)
+
+
+async def fleet_process(
+    tmp_path: Path, name: str, up_url: str, redis_url: str, **kw: Any
+) -> tuple[SidecarProcess, int, int]:
+    """A real sidecar process on ``fleet_yaml`` (``HOSTNAME`` set to ``name``), once both its
+    ports listen: the process, its proxy port and its admin port. The caller stops it."""
+    port, admin_port = free_port(), free_port()
+    cfg = tmp_path / f"{name}.yaml"
+    cfg.write_text(
+        fleet_yaml(
+            up_url, redis_url, listen=f"127.0.0.1:{port}", admin=f"127.0.0.1:{admin_port}", **kw
+        )
+    )
+    p = SidecarProcess(cfg, env={"HOSTNAME": name})
+    p.start()
+    try:
+        await p.wait_port(port, admin_port)
+    except BaseException:
+        p.terminate()
+        raise
+    return p, port, admin_port
+
+
+BURST = 300  # failing writes at once: well over the link's CALLS_MAX (64) and redis-py's 100
+
+
+async def test_a_burst_of_failing_writes_over_the_pool_size_is_all_stored(
+    upstream_factory: Any, tmp_path: Path,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:  # fmt: skip
+    """An outage fails BURST writes at once on a healthy Redis: every one is stored (202 /
+    ``x-retry-dlq: stored``), none refused as ``unavailable`` for want of a pooled connection
+    (a redis-py pool capped at 100 raised "Too many connections", which also paused the link)."""
+    up = await upstream_factory(reply(503))
+    p, port, _ = await fleet_process(tmp_path, "burst", up.url, redis_server.url)
+    try:
+        connector = aiohttp.TCPConnector(limit=BURST)
+        async with aiohttp.ClientSession(connector=connector) as s:
+
+            async def write(i: int) -> str:
+                url = f"http://127.0.0.1:{port}/orders"
+                async with s.post(url, data=b"order-%d" % i) as r:
+                    await r.read()
+                    return r.headers.get("x-retry-dlq", "none")
+
+            told = Counter(await asyncio.gather(*(write(i) for i in range(BURST))))
+            assert told == Counter({"stored": BURST})
+        held = await redis_command(
+            redis_server, "hget", "retry-sidecar:dlq:meta:counts", "held_records"
+        )
+        assert int(held) == BURST
+    finally:
+        assert p.terminate() == 0
 
 
 @pytest.mark.slow
