@@ -58,7 +58,7 @@ if holder ~= '' then
   redis.call('HSET', KEYS[1], 'reached_upstream', '1')
 end
 redis.call('HSET', KEYS[1], 'claimed_by', ARGV[2], 'claimed_at', stamp(now),
-  'claim_expires_at', stamp(now + tonumber(ARGV[3])))
+  'claim_expires_at', stamp(now + tonumber(ARGV[3])), 'finished_by', '', 'finished_as', '')
 return {'ok', redis.call('HGETALL', KEYS[1])}
 """
 )
@@ -75,19 +75,29 @@ end
 
 # KEYS[1]: the record; ARGV: prefix, group, id, owner, status, count_replay, last_status,
 # last_error, reached, parked_reason. -> 1 | 0 (the claim was not ours)
+# A finish records who finished the claim and as what (``finished_by``, ``finished_as``; a
+# claim clears both), so a finish sent again because its first reply was lost (a timeout, a
+# connection cut: the first one ran) is recognised: the record unclaimed since, finished by
+# this owner as this status, is 1 and changes nothing. Anyone else's claim or finish since
+# (the lease ran out and another replay took it), or a purge, is 0 as before.
 FINISH = (
     _NOW
     + _DROP_ENTRY
     + """
-local r = redis.call('HMGET', KEYS[1], 'claimed_by', 'status', 'route', 'seq', 'size', 'entry')
-if r[1] == false or r[1] ~= ARGV[4] then return 0 end
+local r = redis.call('HMGET', KEYS[1], 'claimed_by', 'status', 'route', 'seq', 'size', 'entry',
+  'finished_by', 'finished_as')
+if r[1] == false or r[1] ~= ARGV[4] then
+  if r[1] == '' and r[7] == ARGV[4] and r[8] == ARGV[5] then return 1 end
+  return 0
+end
 local old, route, seq, size, entry = r[2], r[3], r[4], tonumber(r[5]), r[6]
 local new = ARGV[5]
 local reason = ''
 if new == 'parked' then reason = ARGV[10] end
 redis.call('HSET', KEYS[1], 'status', new, 'last_status', ARGV[7], 'last_error', ARGV[8],
   'updated_at', stamp(now), 'parked_reason', reason,
-  'claimed_by', '', 'claimed_at', '', 'claim_expires_at', '')
+  'claimed_by', '', 'claimed_at', '', 'claim_expires_at', '',
+  'finished_by', ARGV[4], 'finished_as', new)
 redis.call('HINCRBY', KEYS[1], 'replays', tonumber(ARGV[6]))
 if ARGV[9] == '1' then redis.call('HSET', KEYS[1], 'reached_upstream', '1') end
 if old ~= new then

@@ -8,6 +8,7 @@ claim) leaves nothing acknowledged that is not stored and no claim held; the sta
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -34,6 +35,7 @@ run = idem.run  # the fixture: each test under asyncio and uvloop
 Run = idem.Run
 NOW = 1_800_000_000.0
 DELIVERED = Finish("delivered", True, 200, None, True)
+PARKED = Finish("parked", True, 404, None, True, "the upstream answered 404")
 
 
 def rec(route: str = "main", body: bytes = b"body", key: str | None = "k") -> NewRecord:
@@ -360,6 +362,78 @@ def test_an_expired_claim_is_taken_over_on_redis_s_clock(run: Run, tmp_path: Pat
                 await until_async(taken, "the lease to run out")
                 assert not await store.finish(rid, "dead", DELIVERED, NOW)
                 assert await store.finish(rid, "other", DELIVERED, NOW)
+            finally:
+                await store.close()
+
+        run(main)
+
+
+def test_a_finish_sent_again_after_its_reply_was_lost_is_recognised(
+    run: Run, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A finish times out in the sidecar (Redis paused) but Redis runs it when it resumes;
+    the replayer's next try of that finish is its own earlier success: True, nothing changed
+    twice, no ERROR line. A claim really lost (another owner took the record over) is still
+    False and still logged."""
+    from sidecar.dlq.replay import Replayer, ReplayOutcome
+
+    with running(tmp_path / "redis") as server:
+
+        async def main() -> None:
+            store = redis_store(server.url, timeout=0.3)
+            try:
+                warm = await store.add(rec())  # the scripts loaded (EVALSHA finds them)
+                await store.claim(warm, "me", ("pending",), 60.0, NOW)
+                await store.finish(warm, "me", DELIVERED, NOW)
+                rid = await store.add(rec())
+                await store.claim(rid, "me", ("pending",), 60.0, NOW)
+                server.pause()
+                try:
+                    with pytest.raises(errors.DlqUnavailable):
+                        await store.finish(rid, "me", DELIVERED, NOW)
+                finally:
+                    server.resume()
+
+                async def ran() -> bool:
+                    try:
+                        got = await store.get(rid)
+                    except errors.DlqUnavailable:
+                        return False
+                    return got is not None and got["status"] == "delivered"
+
+                await until_async(ran, "Redis to run the finish it had been sent")
+                replayer = Replayer(store, None, None, owner="me")  # type: ignore[arg-type]
+                caplog.clear()
+                with caplog.at_level(logging.ERROR, "sidecar.dlq"):
+                    await replayer._record(
+                        rid, DELIVERED, ReplayOutcome(rid, "delivered", 200, "x", 1)
+                    )
+                assert [r.getMessage() for r in caplog.records] == []
+                got = await store.get(rid)
+                assert got is not None and got["replays"] == 1 and got["claimed_by"] is None
+                assert not await store.finish(rid, "me", PARKED, NOW)  # not what it finished as
+                assert not await store.finish(rid, "other", DELIVERED, NOW)
+
+                # Lost for real: the lease ran out and another owner took the record over.
+                lost = await store.add(rec())
+                await store.claim(lost, "me", ("pending",), 0.2, NOW)
+
+                async def taken() -> bool:
+                    try:
+                        await store.claim(lost, "other", ("pending",), 60.0, NOW)
+                    except errors.RecordBusy:
+                        return False
+                    return True
+
+                await until_async(taken, "the lease to run out")
+                with caplog.at_level(logging.ERROR, "sidecar.dlq"):
+                    await replayer._record(
+                        lost, DELIVERED, ReplayOutcome(lost, "delivered", 200, "x", 1)
+                    )
+                assert any("the claim was lost" in r.getMessage() for r in caplog.records)
+                assert await store.finish(lost, "other", DELIVERED, NOW)
+                # ... and when that owner finished it, a late finish of the first is no retry
+                assert not await store.finish(lost, "me", DELIVERED, NOW)
             finally:
                 await store.close()
 
