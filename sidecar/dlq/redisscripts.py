@@ -16,27 +16,34 @@ local P = ARGV[1]
 local function stamp(x) return string.format('%.6f', x) end
 """
 
-# KEYS[1]: the record; ARGV: prefix, group, id, route, max_records, max_bytes, size,
-# then field/value pairs of the record. -> {'ok', seq} | {'dup'} | {'full', what}
+# KEYS[1]: the record; ARGV: prefix, group, id, route, max_records, max_bytes, size, a fresh
+# epoch (set when none is), then field/value pairs of the record.
+# -> {'ok', seq, epoch} | {'dup', epoch} | {'full', what, epoch}: the epoch in force
+# (``redisepoch``)
 ADD = (
     _NOW
     + """
-if redis.call('EXISTS', KEYS[1]) == 1 then return {'dup'} end
+local epoch = redis.call('GET', P .. 'meta:epoch')
+if not epoch then
+  epoch = ARGV[8]
+  redis.call('SET', P .. 'meta:epoch', epoch)
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then return {'dup', epoch} end
 local counts = P .. 'meta:counts'
 local held = tonumber(redis.call('HGET', counts, 'held_records') or '0')
 local bytes = tonumber(redis.call('HGET', counts, 'held_bytes') or '0')
-if held + 1 > tonumber(ARGV[5]) then return {'full', 'records'} end
-if bytes + tonumber(ARGV[7]) > tonumber(ARGV[6]) then return {'full', 'bytes'} end
+if held + 1 > tonumber(ARGV[5]) then return {'full', 'records', epoch} end
+if bytes + tonumber(ARGV[7]) > tonumber(ARGV[6]) then return {'full', 'bytes', epoch} end
 local seq = redis.call('INCR', P .. 'meta:seq')
 local entry = redis.call('XADD', P .. ARGV[4], '*', 'id', ARGV[3])
 redis.call('HSET', KEYS[1], 'seq', seq, 'entry', entry, 'status', 'pending',
-  'updated_at', stamp(now), unpack(ARGV, 8))
+  'updated_at', stamp(now), unpack(ARGV, 9))
 redis.call('ZADD', P .. 'idx:' .. ARGV[4] .. ':pending', seq, ARGV[3])
 redis.call('HINCRBY', counts, 'held_records', 1)
 redis.call('HINCRBY', counts, 'held_bytes', ARGV[7])
 redis.call('HINCRBY', counts, 'status:pending', 1)
 redis.call('SADD', P .. 'meta:routes', ARGV[4])
-return {'ok', tostring(seq)}
+return {'ok', tostring(seq), epoch}
 """
 )
 
@@ -164,14 +171,16 @@ return 1
 """
 )
 
-# ARGV: prefix, group, older_than (epoch seconds), batch. -> how many were deleted. Any
-# sidecar may run it at any time: a record deleted already is skipped.
+# ARGV: prefix, group, age (seconds), batch. -> how many were deleted: records delivered more
+# than ``age`` ago on Redis's clock (as their delivery was stamped), whatever the pod's clock
+# says. Any sidecar may run it at any time: a record deleted already is skipped.
 PRUNE = (
     _NOW
     + _DROP_ENTRY
     + _REMOVE
     + """
-local ids = redis.call('ZRANGEBYSCORE', P .. 'meta:delivered', '-inf', '(' .. ARGV[3],
+local ids = redis.call('ZRANGEBYSCORE', P .. 'meta:delivered', '-inf',
+  '(' .. stamp(now - tonumber(ARGV[3])),
   'LIMIT', 0, tonumber(ARGV[4]))
 local n = 0
 for _, rid in ipairs(ids) do

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -434,6 +435,128 @@ def test_a_finish_sent_again_after_its_reply_was_lost_is_recognised(
                 assert await store.finish(lost, "other", DELIVERED, NOW)
                 # ... and when that owner finished it, a late finish of the first is no retry
                 assert not await store.finish(lost, "me", DELIVERED, NOW)
+            finally:
+                await store.close()
+
+        run(main)
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+async def _redis(server: RedisServer, name: str, *args: Any) -> Any:
+    from redis.asyncio import Redis
+
+    r = Redis.from_url(server.url)
+    try:
+        return await r.execute_command(name, *args)
+    finally:
+        await r.aclose()
+
+
+def test_a_redis_that_lost_its_data_is_noticed_on_a_counts_read_and_on_a_write(
+    run: Run, tmp_path: Path
+) -> None:
+    """Records acknowledged, then the Redis emptied (FLUSHALL): each store that knew the
+    DLQ's epoch finds it gone, once (on its counts read, or on its next write), says so (the
+    note, the callback the app counts) and sets the epoch again; nothing is reported on a
+    Redis that kept its data."""
+    with running(tmp_path / "redis") as server:
+
+        async def main() -> None:
+            a, b = redis_store(server.url), redis_store(server.url)
+            told: list[str] = []
+            a.epoch.on_lost = lambda: told.append("a")
+            b.epoch.on_lost = lambda: told.append("b")
+            try:
+                await a.add(rec())
+                await b.refresh()
+                await a.refresh()
+                assert told == [] and a.epoch.note is None
+                await _redis(server, "FLUSHALL")
+                await a.refresh()  # the counts read finds it
+                assert told == ["a"] and a.epoch.note is not None
+                assert "may have been lost" in a.epoch.note
+                assert await _redis(server, "GET", a.prefix + "meta:epoch") is not None
+                await a.refresh()
+                await b.add(rec())  # a write finds it too, and is stored
+                assert told == ["a", "b"]
+                await a.refresh()
+                await b.refresh()
+                assert told == ["a", "b"] and (a.epoch.losses, b.epoch.losses) == (1, 1)
+                got, _ = await a.list()
+                assert len(got) == 1
+            finally:
+                await a.close()
+                await b.close()
+
+        run(main)
+
+
+def test_consumers_leave_at_close_and_idle_ones_are_swept_unless_they_hold_entries(
+    run: Run, tmp_path: Path
+) -> None:
+    """A store's consumer leaves the group at close when it holds no pending entry, and stays
+    while it holds one (DELCONSUMER would strand it); a redrive round removes the other
+    consumers that hold nothing and sat idle past the bound, never one that holds entries."""
+    with running(tmp_path / "redis") as server:
+
+        async def consumers() -> dict[str, int]:
+            rows = await _redis(server, "XINFO", "CONSUMERS", "retry-sidecar:dlq:main", "redrive")
+            rows = [{_text(k): v for k, v in r.items()} for r in rows]  # parsed by redis-py
+            return {_text(r["name"]): int(r["pending"]) for r in rows}
+
+        def store(name: str) -> RedisDlqStore:
+            link = FleetLink(FleetRedis(url=server.url, timeout=5.0), Clock())
+            return RedisDlqStore(link, 1000, 10**7, location=server.url, consumer=name)
+
+        async def main() -> None:
+            idle = store("idle")
+            assert await idle.due("main", 10, 60.0) == []
+            await idle.close()
+            assert await consumers() == {}  # it held nothing: it left
+            holder, dead, sweeper = store("holder"), store("dead"), store("sweeper")
+            try:
+                rid = await holder.add(rec())
+                assert await holder.due("main", 10, 60.0) == [rid]  # now pending on holder
+                assert await dead.due("main", 10, 60.0) == []
+                await holder.close()  # holds an entry: stays
+                assert await consumers() == {"holder": 1, "dead": 0}
+                sweeper.group.idle_max = 0.0
+
+                async def swept() -> bool:
+                    await sweeper.due("main", 10, 60.0)
+                    return "dead" not in await consumers()
+
+                await until_async(swept, "the idle consumer swept out")
+                assert await consumers() == {"holder": 1, "sweeper": 0}
+            finally:
+                await dead.close()
+                await sweeper.close()
+            assert await consumers() == {"holder": 1}
+
+        run(main)
+
+
+def test_the_prune_judges_the_audit_window_on_redis_s_clock(run: Run, tmp_path: Path) -> None:
+    """A pod whose clock runs a day ahead prunes nothing delivered just now: the window is
+    measured on Redis's clock, as the delivery was stamped."""
+    from sidecar.dlq.replay import DELIVERED_RETENTION
+
+    with running(tmp_path / "redis") as server:
+
+        async def main() -> None:
+            store = redis_store(server.url)
+            try:
+                ahead = lambda: time.time() + 86_400.0  # noqa: E731
+                store.wall = ahead
+                rid = await store.add(rec())
+                await store.claim(rid, "me", ("pending",), 60.0, NOW)
+                assert await store.finish(rid, "me", DELIVERED, NOW)
+                assert await store.prune_delivered(ahead() - DELIVERED_RETENTION) == 0
+                assert await store.get(rid) is not None
+                assert await store.prune_delivered(ahead() + 1.0) == 1  # past it: pruned
             finally:
                 await store.close()
 
