@@ -394,11 +394,12 @@ class RedisDlqStore:
             await asyncio.wait(set(self._releases), timeout=2 * self._link.timeout)
         for task in list(self._releases):
             task.cancel()
-        if not self._closed:
-            try:
+        try:
+            if not self._closed:
                 await self.group.leave()
-            except DlqUnavailable as exc:
-                log.warning("the DLQ's redrive consumer could not leave its groups: %s", exc)
-        self._closed = True
-        with contextlib.suppress(Exception):
-            await self._link.close()
+        except DlqUnavailable as exc:
+            log.warning("the DLQ's redrive consumer could not leave its groups: %s", exc)
+        finally:  # cancelled half-way too: the client is closed
+            self._closed = True
+            with contextlib.suppress(Exception):
+                await self._link.close()

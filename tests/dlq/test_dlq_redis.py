@@ -28,6 +28,7 @@ from sidecar.dlq.store import DlqStore
 from sidecar.fleet import aof
 from sidecar.fleet.connection import FleetLink
 from sidecar.testing import FakeClock
+from tests.fleet.test_dlq_fleet import client_list
 from tests.idempotency import test_idempotency_store as idem
 from tests.redisserver import RedisServer, running
 from tests.wait import until, until_async
@@ -535,6 +536,41 @@ def test_consumers_leave_at_close_and_idle_ones_are_swept_unless_they_hold_entri
                 await dead.close()
                 await sweeper.close()
             assert await consumers() == {"holder": 1}
+
+        run(main)
+
+
+def test_a_close_cancelled_while_leaving_the_groups_still_closes_the_client(
+    run: Run, tmp_path: Path
+) -> None:
+    """The stop is cancelled while the consumer's leave is in flight (Redis paused): the
+    store is closed and its connections with it."""
+    with running(tmp_path / "redis") as server:
+
+        async def named() -> list[str]:
+            return client_list(server.port)
+
+        async def main() -> None:
+            store = redis_store(server.url)
+            await store.due("main", 10, 60.0)  # joined the group
+            assert any("retry-sidecar" in n for n in await named())
+            server.pause()
+            try:
+                closing = asyncio.ensure_future(store.close())
+                await _sent(store)
+                closing.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await closing
+            finally:
+                server.resume()
+            assert not store.available
+            with pytest.raises(errors.DlqUnavailable):
+                await store.add(rec())
+
+            async def gone() -> bool:
+                return not any("retry-sidecar" in n for n in await named())
+
+            await until_async(gone, "the store's connections closed")
 
         run(main)
 
