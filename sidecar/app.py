@@ -173,8 +173,9 @@ class Sidecar:
     # -- state hooks -------------------------------------------------------------------------
 
     def _dlq_opened(self, store: DlqStorage) -> None:
-        if self.dlqs.backend == "sqlite":  # a first deletion of the file shows in increase()
-            self.metrics.dlq_file_recreated.values.setdefault((), 0.0)
+        # A first deletion of the file (SQLite), or a Redis that lost the DLQ's data, shows
+        # in increase().
+        self.metrics.dlq_file_recreated.values.setdefault((), 0.0)
         self.deps.dlq = store
 
     def _on_breaker_transition(self, route: str, frm: State, to: State) -> None:

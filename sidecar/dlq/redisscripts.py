@@ -16,27 +16,34 @@ local P = ARGV[1]
 local function stamp(x) return string.format('%.6f', x) end
 """
 
-# KEYS[1]: the record; ARGV: prefix, group, id, route, max_records, max_bytes, size,
-# then field/value pairs of the record. -> {'ok', seq} | {'dup'} | {'full', what}
+# KEYS[1]: the record; ARGV: prefix, group, id, route, max_records, max_bytes, size, a fresh
+# epoch (set when none is), then field/value pairs of the record.
+# -> {'ok', seq, epoch} | {'dup', epoch} | {'full', what, epoch}: the epoch in force
+# (``redisepoch``)
 ADD = (
     _NOW
     + """
-if redis.call('EXISTS', KEYS[1]) == 1 then return {'dup'} end
+local epoch = redis.call('GET', P .. 'meta:epoch')
+if not epoch then
+  epoch = ARGV[8]
+  redis.call('SET', P .. 'meta:epoch', epoch)
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then return {'dup', epoch} end
 local counts = P .. 'meta:counts'
 local held = tonumber(redis.call('HGET', counts, 'held_records') or '0')
 local bytes = tonumber(redis.call('HGET', counts, 'held_bytes') or '0')
-if held + 1 > tonumber(ARGV[5]) then return {'full', 'records'} end
-if bytes + tonumber(ARGV[7]) > tonumber(ARGV[6]) then return {'full', 'bytes'} end
+if held + 1 > tonumber(ARGV[5]) then return {'full', 'records', epoch} end
+if bytes + tonumber(ARGV[7]) > tonumber(ARGV[6]) then return {'full', 'bytes', epoch} end
 local seq = redis.call('INCR', P .. 'meta:seq')
 local entry = redis.call('XADD', P .. ARGV[4], '*', 'id', ARGV[3])
 redis.call('HSET', KEYS[1], 'seq', seq, 'entry', entry, 'status', 'pending',
-  'updated_at', stamp(now), unpack(ARGV, 8))
+  'updated_at', stamp(now), unpack(ARGV, 9))
 redis.call('ZADD', P .. 'idx:' .. ARGV[4] .. ':pending', seq, ARGV[3])
 redis.call('HINCRBY', counts, 'held_records', 1)
 redis.call('HINCRBY', counts, 'held_bytes', ARGV[7])
 redis.call('HINCRBY', counts, 'status:pending', 1)
 redis.call('SADD', P .. 'meta:routes', ARGV[4])
-return {'ok', tostring(seq)}
+return {'ok', tostring(seq), epoch}
 """
 )
 
@@ -58,7 +65,7 @@ if holder ~= '' then
   redis.call('HSET', KEYS[1], 'reached_upstream', '1')
 end
 redis.call('HSET', KEYS[1], 'claimed_by', ARGV[2], 'claimed_at', stamp(now),
-  'claim_expires_at', stamp(now + tonumber(ARGV[3])))
+  'claim_expires_at', stamp(now + tonumber(ARGV[3])), 'finished_by', '', 'finished_as', '')
 return {'ok', redis.call('HGETALL', KEYS[1])}
 """
 )
@@ -75,19 +82,29 @@ end
 
 # KEYS[1]: the record; ARGV: prefix, group, id, owner, status, count_replay, last_status,
 # last_error, reached, parked_reason. -> 1 | 0 (the claim was not ours)
+# A finish records who finished the claim and as what (``finished_by``, ``finished_as``; a
+# claim clears both), so a finish sent again because its first reply was lost (a timeout, a
+# connection cut: the first one ran) is recognised: the record unclaimed since, finished by
+# this owner as this status, is 1 and changes nothing. Anyone else's claim or finish since
+# (the lease ran out and another replay took it), or a purge, is 0 as before.
 FINISH = (
     _NOW
     + _DROP_ENTRY
     + """
-local r = redis.call('HMGET', KEYS[1], 'claimed_by', 'status', 'route', 'seq', 'size', 'entry')
-if r[1] == false or r[1] ~= ARGV[4] then return 0 end
+local r = redis.call('HMGET', KEYS[1], 'claimed_by', 'status', 'route', 'seq', 'size', 'entry',
+  'finished_by', 'finished_as')
+if r[1] == false or r[1] ~= ARGV[4] then
+  if r[1] == '' and r[7] == ARGV[4] and r[8] == ARGV[5] then return 1 end
+  return 0
+end
 local old, route, seq, size, entry = r[2], r[3], r[4], tonumber(r[5]), r[6]
 local new = ARGV[5]
 local reason = ''
 if new == 'parked' then reason = ARGV[10] end
 redis.call('HSET', KEYS[1], 'status', new, 'last_status', ARGV[7], 'last_error', ARGV[8],
   'updated_at', stamp(now), 'parked_reason', reason,
-  'claimed_by', '', 'claimed_at', '', 'claim_expires_at', '')
+  'claimed_by', '', 'claimed_at', '', 'claim_expires_at', '',
+  'finished_by', ARGV[4], 'finished_as', new)
 redis.call('HINCRBY', KEYS[1], 'replays', tonumber(ARGV[6]))
 if ARGV[9] == '1' then redis.call('HSET', KEYS[1], 'reached_upstream', '1') end
 if old ~= new then
@@ -154,14 +171,16 @@ return 1
 """
 )
 
-# ARGV: prefix, group, older_than (epoch seconds), batch. -> how many were deleted. Any
-# sidecar may run it at any time: a record deleted already is skipped.
+# ARGV: prefix, group, age (seconds), batch. -> how many were deleted: records delivered more
+# than ``age`` ago on Redis's clock (as their delivery was stamped), whatever the pod's clock
+# says. Any sidecar may run it at any time: a record deleted already is skipped.
 PRUNE = (
     _NOW
     + _DROP_ENTRY
     + _REMOVE
     + """
-local ids = redis.call('ZRANGEBYSCORE', P .. 'meta:delivered', '-inf', '(' .. ARGV[3],
+local ids = redis.call('ZRANGEBYSCORE', P .. 'meta:delivered', '-inf',
+  '(' .. stamp(now - tonumber(ARGV[3])),
   'LIMIT', 0, tonumber(ARGV[4]))
 local n = 0
 for _, rid in ipairs(ids) do

@@ -13,8 +13,9 @@ Keys, under ``P = <fleet.redis.key_prefix>dlq:`` (a route name has no ``:``, so 
 - ``Pidx:<route>:<status>``: the route's records of one status, a sorted set by seq (oldest
   first), for the listing, the figures and the oldest pending record;
 - ``Pmeta:counts`` (kept records and bytes, fleet-wide, for ``max_records``/``max_bytes``; counts
-  by status), ``Pmeta:seq``, ``Pmeta:routes``, and ``Pmeta:delivered`` (delivered records by
-  the time they were delivered, for the 24 h audit window).
+  by status), ``Pmeta:seq``, ``Pmeta:routes``, ``Pmeta:delivered`` (delivered records by
+  the time they were delivered, for the 24 h audit window), and ``Pmeta:epoch`` (a random
+  value: a Redis that lost its data has another or none, ``redisepoch``).
 
 Why a stream *and* a hash: the stream with its consumer group is the redrive's work list
 (``XREADGROUP >`` for new entries, the consumer's own pending entries again each round while
@@ -43,10 +44,11 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sidecar.dlq import rediscodec, redisscripts
+from sidecar.dlq import rediscodec, redisepoch, redisscripts
 from sidecar.dlq.contract import Ids, RouteCounts
 from sidecar.dlq.counts import Counts
 from sidecar.dlq.errors import (
@@ -59,6 +61,7 @@ from sidecar.dlq.errors import (
 )
 from sidecar.dlq.operations import Finish, new_id
 from sidecar.dlq.record import NewRecord
+from sidecar.dlq.redisgroup import GROUP, RedriveGroup
 from sidecar.fleet.connection import FleetLink, FleetUnavailable
 
 if TYPE_CHECKING:
@@ -69,7 +72,6 @@ log = logging.getLogger("sidecar.dlq")
 T = TypeVar("T")
 Rows = list[dict[str, Any]]
 Raw = list[Any]
-GROUP = "redrive"
 STATUSES = ("pending", "parked", "delivered")
 ID_TRIES = 5
 PRUNE_BATCH = 500
@@ -111,8 +113,11 @@ class RedisDlqStore:
         self._release = client.register_script(redisscripts.RELEASE)
         self._delete = client.register_script(redisscripts.DELETE)
         self._prune = client.register_script(redisscripts.PRUNE)
+        self._epoch_read = client.register_script(redisepoch.READ)
         self._counts = Counts()
-        self._groups: set[str] = set()  # routes whose consumer group is known to exist
+        self.group = RedriveGroup(client, self._call, self.prefix, self.consumer)
+        self.epoch = redisepoch.Epoch(self.location)
+        self.wall: Callable[[], float] = time.time  # the caller's clock (``prune_delivered``)
         self._releases: set[asyncio.Task[Any]] = set()
         self._closed = False
 
@@ -161,11 +166,12 @@ class RedisDlqStore:
             rid = new_id(rec.created_at)
             args: list[bytes | str | int] = [
                 self.prefix, GROUP, rid, rec.route,
-                self.max_records, self.max_bytes, rec.size,
+                self.max_records, self.max_bytes, rec.size, redisepoch.fresh(),
                 *rediscodec.encode(rid, rec),
             ]  # fmt: skip
             got = await self._call(self._adding(self._rec(rid), args))
             verdict = _text(got[0])
+            self._epoch_seen(_text(got[-1]))
             if verdict == "ok":
                 return rid
             if verdict == "full":
@@ -253,8 +259,11 @@ class RedisDlqStore:
         return bool(got)
 
     async def prune_delivered(self, older_than: float) -> int:
+        """Judged on Redis's clock: records delivered longer ago than the caller's window
+        (``older_than`` on its clock is only how long ago that is)."""
         total = 0
-        args: builtins.list[str | int] = [self.prefix, GROUP, repr(older_than), PRUNE_BATCH]
+        age = repr(max(0.0, self.wall() - older_than))
+        args: builtins.list[str | int] = [self.prefix, GROUP, age, PRUNE_BATCH]
         while True:
             n = int(await self._call(lambda c: self._prune(keys=[], args=args, client=c)))
             total += n
@@ -352,7 +361,11 @@ class RedisDlqStore:
         return {rid: float(_text(v)) for rid, v in zip(ids, values, strict=True) if v}
 
     async def refresh(self) -> None:
-        """Publish the fleet-wide counts and the oldest pending record for the gauges."""
+        """Publish the fleet-wide counts and the oldest pending record for the gauges, and
+        check the epoch (``redisepoch``)."""
+        keys, args = [self.prefix + "meta:epoch"], [redisepoch.fresh()]
+        seen = await self._call(lambda c: self._epoch_read(keys=keys, args=args, client=c))
+        self._epoch_seen(_text(seen))
         raw = await self._call(lambda c: c.hgetall(self.prefix + "meta:counts"))
         by_status = {s: 0 for s in STATUSES}
         for k, v in raw.items():
@@ -362,121 +375,31 @@ class RedisDlqStore:
         pending = [created for s, _, _, created in await self.route_counts() if s == "pending"]
         self._counts = Counts(by_status, min(pending) if pending else None)
 
+    def _epoch_seen(self, value: str) -> None:
+        if self.epoch.seen(value):
+            self.group.forget()  # the groups went with the data
+
     # -- the redrive's work list -------------------------------------------------------------
 
-    async def _ensure_group(self, route: str) -> None:
-        if route in self._groups:
-            return
-        from redis.exceptions import ResponseError
-
-        stream = self.prefix + route
-
-        async def create(c: Redis) -> None:
-            try:
-                await c.xgroup_create(stream, GROUP, id="0", mkstream=True)
-            except ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
-
-        await self._call(create)
-        self._groups.add(route)
-
     async def due(self, route: str, limit: int, idle: float) -> Ids:
-        """Entries of the route's stream for this sidecar: those whose consumer left them
-        unacknowledged for ``idle`` seconds (it died: ``XAUTOCLAIM``), its own still pending
-        (they failed before), and new ones (``XREADGROUP >``), oldest first. Entries whose
-        record is gone or no longer pending are acknowledged and deleted here."""
-        from redis.exceptions import ResponseError
-
-        await self._ensure_group(route)
-        stream = self.prefix + route
-        me = self.consumer
-
-        async def read(c: Redis) -> Raw:
-            async with c.pipeline(transaction=False) as pipe:
-                pipe.xautoclaim(stream, GROUP, me, int(idle * 1000), "0-0", count=limit)
-                pipe.xreadgroup(GROUP, me, {stream: "0"}, count=limit)
-                pipe.xreadgroup(GROUP, me, {stream: ">"}, count=limit)
-                return await pipe.execute()
-
-        try:
-            taken, mine, new = await self._call(read)
-        except DlqUnavailable:
-            self._groups.discard(route)  # a Redis that lost the group (no AOF) gets it again
-            raise
-        except ResponseError:  # NOGROUP: the stream was deleted under us
-            self._groups.discard(route)
-            return []
-        entries: dict[str, str] = {}
-        for eid, fields in _entries(taken[1] if taken else []) + _stream(mine) + _stream(new):
-            if fields and b"id" in fields:
-                entries[eid] = _text(fields[b"id"])
-        return await self._pending_only(route, entries, limit)
-
-    async def _pending_only(self, route: str, entries: dict[str, str], limit: int) -> Ids:
-        order = sorted(entries, key=_entry_order)
-        names = [self._rec(entries[e]) for e in order]
-
-        async def states(c: Redis) -> Raw:
-            async with c.pipeline(transaction=False) as pipe:
-                for name in names:
-                    pipe.hmget(name, "status", "entry")
-                return await pipe.execute()
-
-        got = await self._call(states) if names else []
-        due: Ids = []
-        stale: Ids = []
-        for eid, (status, entry) in zip(order, got, strict=True):
-            if status is not None and _text(status) == "pending" and entry and _text(entry) == eid:
-                if entries[eid] not in due:
-                    due.append(entries[eid])
-            else:
-                stale.append(eid)
-        if stale:
-            stream = self.prefix + route
-
-            async def drop(c: Redis) -> None:
-                async with c.pipeline(transaction=False) as pipe:
-                    pipe.xack(stream, GROUP, *stale)
-                    pipe.xdel(stream, *stale)
-                    await pipe.execute()
-
-            await self._call(drop)
-        return due[:limit]
+        """The route's entries for this sidecar's consumer (``redisgroup.RedriveGroup.due``)."""
+        return await self.group.due(route, limit, idle)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def close(self) -> None:
-        """The claim releases in flight get one timeout to finish, then the client closes."""
+        """The claim releases in flight get one timeout to finish, this consumer leaves the
+        groups where it holds nothing (``RedriveGroup.leave``), then the client closes."""
         if self._releases:
             await asyncio.wait(set(self._releases), timeout=2 * self._link.timeout)
         for task in list(self._releases):
             task.cancel()
-        self._closed = True
-        with contextlib.suppress(Exception):
-            await self._link.close()
-
-
-def _entry_order(eid: str) -> tuple[int, int]:
-    ms, _, n = eid.partition("-")
-    return int(ms), int(n or 0)
-
-
-def _entries(raw: Any) -> list[tuple[str, dict[bytes, bytes] | None]]:
-    """Stream entries as (id, fields); an entry deleted meanwhile has no fields."""
-    out: list[tuple[str, dict[bytes, bytes] | None]] = []
-    for item in raw or []:
-        if item is None:
-            continue
-        eid, fields = item
-        out.append((_text(eid), fields))
-    return out
-
-
-def _stream(reply: Any) -> list[tuple[str, dict[bytes, bytes] | None]]:
-    """An ``XREADGROUP`` reply of one stream (a list, or a dict under RESP3)."""
-    if not reply:
-        return []
-    if isinstance(reply, dict):
-        return [e for v in reply.values() for e in _entries(v[0] if v else [])]
-    return [e for _, entries in reply for e in _entries(entries)]
+        try:
+            if not self._closed:
+                await self.group.leave()
+        except DlqUnavailable as exc:
+            log.warning("the DLQ's redrive consumer could not leave its groups: %s", exc)
+        finally:  # cancelled half-way too: the client is closed
+            self._closed = True
+            with contextlib.suppress(Exception):
+                await self._link.close()

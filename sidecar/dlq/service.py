@@ -9,7 +9,9 @@ restart-only), chosen here and nowhere else:
 - ``redis``: the fleet's Redis (``redisstore``). Opening makes a client and no connection; an
   unreachable Redis is ``DlqUnavailable`` per call, so it never needs reopening. Its start-up
   check (``fleet.aof``: ``appendonly``/``appendfsync``) runs in the ``dlq-redis-check`` task,
-  asked again until the Redis answers; the gauges' counts are read by ``dlq-counts``.
+  asked again until the Redis answers; the gauges' counts are read by ``dlq-counts``, which
+  also checks that the Redis still holds the DLQ's data (``redisepoch``: a loss is counted in
+  the same counter as a deleted SQLite file, and shown as the DLQ warning).
 
 The tasks are the app's (``spawn``: named, cancelled and awaited at stop); the store is closed
 by ``close`` after them: the SQLite writer thread once it committed what it was given, the
@@ -69,13 +71,21 @@ class DlqService:
         self.store: DlqStorage | None = None
         self.replayer: Replayer | None = None
         self.redrive: Redrive | None = None
-        self.warning: str | None = None  # what the start-up check found wrong
+        self.durability: str | None = None  # what the start-up check found wrong
+        self._lost: Callable[[], str | None] = lambda: None  # the Redis lost the DLQ's data
         self.queue_depth: Callable[[], int] | None = None  # the SQLite writer's queue
         self.max_page_count: int | None = None  # tests: a real SQLITE_FULL
         self.busy_timeout_ms = 5000  # tests: a lock held elsewhere fails sooner
         self._opening: asyncio.Lock | None = None  # made at start, on the loop
         self._reopening: asyncio.Task[Any] | None = None
         self._closing: Callable[[], Awaitable[None]] | None = None  # the open store's close
+
+    @property
+    def warning(self) -> str | None:
+        """The status page's DLQ warning: a Redis found to have lost the DLQ's data (until a
+        restart), and what the start-up check found wrong."""
+        said = [w for w in (self._lost(), self.durability) if w]
+        return "; ".join(said) or None
 
     @property
     def started(self) -> bool:
@@ -161,9 +171,12 @@ class DlqService:
         from sidecar.fleet.connection import FleetLink
 
         link = FleetLink(self._redis, self._engine.clock)
-        return RedisDlqStore(
+        store = RedisDlqStore(
             link, config.dlq.max_records, config.dlq.max_bytes, location=self._where()
         )
+        store.epoch.on_lost = self._recreated  # the same counter as a deleted file
+        self._lost = lambda: store.epoch.note
+        return store
 
     async def open_now(self) -> bool:
         """Open the DLQ and start its background work. False when the file could not be
@@ -226,13 +239,13 @@ class DlqService:
 
         while True:
             try:
-                self.warning = await check(store.link)
+                self.durability = await check(store.link)
             except FleetUnavailable as exc:
                 log.warning("cannot check the fleet Redis's durability yet: %s", exc)
                 await asyncio.sleep(CHECK_AGAIN)
                 continue
-            if self.warning is not None:
-                log.warning("DLQ on Redis: %s", self.warning)
+            if self.durability is not None:
+                log.warning("DLQ on Redis: %s", self.durability)
             return
 
     async def close(self) -> None:

@@ -165,8 +165,9 @@ class Metrics:
         )
         self.dlq_file_recreated = Counter(
             "dlq_file_recreated_total",
-            "Times the DLQ found its file deleted under it and wrote what it held to a new "
-            "file at its path.",
+            "Times the DLQ found its storage lost under it: its file deleted (SQLite; what it "
+            "held was written to a new file at its path), or the fleet Redis's DLQ data gone "
+            "(dlq.backend redis: its epoch changed; records acknowledged before may be lost).",
         )
         self.hedges = Counter(
             "hedges_total",

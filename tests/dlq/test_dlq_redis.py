@@ -8,6 +8,8 @@ claim) leaves nothing acknowledged that is not stored and no claim held; the sta
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -26,6 +28,7 @@ from sidecar.dlq.store import DlqStore
 from sidecar.fleet import aof
 from sidecar.fleet.connection import FleetLink
 from sidecar.testing import FakeClock
+from tests.fleet.test_dlq_fleet import client_list
 from tests.idempotency import test_idempotency_store as idem
 from tests.redisserver import RedisServer, running
 from tests.wait import until, until_async
@@ -34,6 +37,7 @@ run = idem.run  # the fixture: each test under asyncio and uvloop
 Run = idem.Run
 NOW = 1_800_000_000.0
 DELIVERED = Finish("delivered", True, 200, None, True)
+PARKED = Finish("parked", True, 404, None, True, "the upstream answered 404")
 
 
 def rec(route: str = "main", body: bytes = b"body", key: str | None = "k") -> NewRecord:
@@ -360,6 +364,235 @@ def test_an_expired_claim_is_taken_over_on_redis_s_clock(run: Run, tmp_path: Pat
                 await until_async(taken, "the lease to run out")
                 assert not await store.finish(rid, "dead", DELIVERED, NOW)
                 assert await store.finish(rid, "other", DELIVERED, NOW)
+            finally:
+                await store.close()
+
+        run(main)
+
+
+def test_a_finish_sent_again_after_its_reply_was_lost_is_recognised(
+    run: Run, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A finish times out in the sidecar (Redis paused) but Redis runs it when it resumes;
+    the replayer's next try of that finish is its own earlier success: True, nothing changed
+    twice, no ERROR line. A claim really lost (another owner took the record over) is still
+    False and still logged."""
+    from sidecar.dlq.replay import Replayer, ReplayOutcome
+
+    with running(tmp_path / "redis") as server:
+
+        async def main() -> None:
+            store = redis_store(server.url, timeout=0.3)
+            try:
+                warm = await store.add(rec())  # the scripts loaded (EVALSHA finds them)
+                await store.claim(warm, "me", ("pending",), 60.0, NOW)
+                await store.finish(warm, "me", DELIVERED, NOW)
+                rid = await store.add(rec())
+                await store.claim(rid, "me", ("pending",), 60.0, NOW)
+                server.pause()
+                try:
+                    with pytest.raises(errors.DlqUnavailable):
+                        await store.finish(rid, "me", DELIVERED, NOW)
+                finally:
+                    server.resume()
+
+                async def ran() -> bool:
+                    try:
+                        got = await store.get(rid)
+                    except errors.DlqUnavailable:
+                        return False
+                    return got is not None and got["status"] == "delivered"
+
+                await until_async(ran, "Redis to run the finish it had been sent")
+                replayer = Replayer(store, None, None, owner="me")  # type: ignore[arg-type]
+                caplog.clear()
+                with caplog.at_level(logging.ERROR, "sidecar.dlq"):
+                    await replayer._record(
+                        rid, DELIVERED, ReplayOutcome(rid, "delivered", 200, "x", 1)
+                    )
+                assert [r.getMessage() for r in caplog.records] == []
+                got = await store.get(rid)
+                assert got is not None and got["replays"] == 1 and got["claimed_by"] is None
+                assert not await store.finish(rid, "me", PARKED, NOW)  # not what it finished as
+                assert not await store.finish(rid, "other", DELIVERED, NOW)
+
+                # Lost for real: the lease ran out and another owner took the record over.
+                lost = await store.add(rec())
+                await store.claim(lost, "me", ("pending",), 0.2, NOW)
+
+                async def taken() -> bool:
+                    try:
+                        await store.claim(lost, "other", ("pending",), 60.0, NOW)
+                    except errors.RecordBusy:
+                        return False
+                    return True
+
+                await until_async(taken, "the lease to run out")
+                with caplog.at_level(logging.ERROR, "sidecar.dlq"):
+                    await replayer._record(
+                        lost, DELIVERED, ReplayOutcome(lost, "delivered", 200, "x", 1)
+                    )
+                assert any("the claim was lost" in r.getMessage() for r in caplog.records)
+                assert await store.finish(lost, "other", DELIVERED, NOW)
+                # ... and when that owner finished it, a late finish of the first is no retry
+                assert not await store.finish(lost, "me", DELIVERED, NOW)
+            finally:
+                await store.close()
+
+        run(main)
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+async def _redis(server: RedisServer, name: str, *args: Any) -> Any:
+    from redis.asyncio import Redis
+
+    r = Redis.from_url(server.url)
+    try:
+        return await r.execute_command(name, *args)
+    finally:
+        await r.aclose()
+
+
+def test_a_redis_that_lost_its_data_is_noticed_on_a_counts_read_and_on_a_write(
+    run: Run, tmp_path: Path
+) -> None:
+    """Records acknowledged, then the Redis emptied (FLUSHALL): each store that knew the
+    DLQ's epoch finds it gone, once (on its counts read, or on its next write), says so (the
+    note, the callback the app counts) and sets the epoch again; nothing is reported on a
+    Redis that kept its data."""
+    with running(tmp_path / "redis") as server:
+
+        async def main() -> None:
+            a, b = redis_store(server.url), redis_store(server.url)
+            told: list[str] = []
+            a.epoch.on_lost = lambda: told.append("a")
+            b.epoch.on_lost = lambda: told.append("b")
+            try:
+                await a.add(rec())
+                await b.refresh()
+                await a.refresh()
+                assert told == [] and a.epoch.note is None
+                await _redis(server, "FLUSHALL")
+                await a.refresh()  # the counts read finds it
+                assert told == ["a"] and a.epoch.note is not None
+                assert "may have been lost" in a.epoch.note
+                assert await _redis(server, "GET", a.prefix + "meta:epoch") is not None
+                await a.refresh()
+                await b.add(rec())  # a write finds it too, and is stored
+                assert told == ["a", "b"]
+                await a.refresh()
+                await b.refresh()
+                assert told == ["a", "b"] and (a.epoch.losses, b.epoch.losses) == (1, 1)
+                got, _ = await a.list()
+                assert len(got) == 1
+            finally:
+                await a.close()
+                await b.close()
+
+        run(main)
+
+
+def test_consumers_leave_at_close_and_idle_ones_are_swept_unless_they_hold_entries(
+    run: Run, tmp_path: Path
+) -> None:
+    """A store's consumer leaves the group at close when it holds no pending entry, and stays
+    while it holds one (DELCONSUMER would strand it); a redrive round removes the other
+    consumers that hold nothing and sat idle past the bound, never one that holds entries."""
+    with running(tmp_path / "redis") as server:
+
+        async def consumers() -> dict[str, int]:
+            rows = await _redis(server, "XINFO", "CONSUMERS", "retry-sidecar:dlq:main", "redrive")
+            rows = [{_text(k): v for k, v in r.items()} for r in rows]  # parsed by redis-py
+            return {_text(r["name"]): int(r["pending"]) for r in rows}
+
+        def store(name: str) -> RedisDlqStore:
+            link = FleetLink(FleetRedis(url=server.url, timeout=5.0), Clock())
+            return RedisDlqStore(link, 1000, 10**7, location=server.url, consumer=name)
+
+        async def main() -> None:
+            idle = store("idle")
+            assert await idle.due("main", 10, 60.0) == []
+            await idle.close()
+            assert await consumers() == {}  # it held nothing: it left
+            holder, dead, sweeper = store("holder"), store("dead"), store("sweeper")
+            try:
+                rid = await holder.add(rec())
+                assert await holder.due("main", 10, 60.0) == [rid]  # now pending on holder
+                assert await dead.due("main", 10, 60.0) == []
+                await holder.close()  # holds an entry: stays
+                assert await consumers() == {"holder": 1, "dead": 0}
+                sweeper.group.idle_max = 0.0
+
+                async def swept() -> bool:
+                    await sweeper.due("main", 10, 60.0)
+                    return "dead" not in await consumers()
+
+                await until_async(swept, "the idle consumer swept out")
+                assert await consumers() == {"holder": 1, "sweeper": 0}
+            finally:
+                await dead.close()
+                await sweeper.close()
+            assert await consumers() == {"holder": 1}
+
+        run(main)
+
+
+def test_a_close_cancelled_while_leaving_the_groups_still_closes_the_client(
+    run: Run, tmp_path: Path
+) -> None:
+    """The stop is cancelled while the consumer's leave is in flight (Redis paused): the
+    store is closed and its connections with it."""
+    with running(tmp_path / "redis") as server:
+
+        async def named() -> list[str]:
+            return client_list(server.port)
+
+        async def main() -> None:
+            store = redis_store(server.url)
+            await store.due("main", 10, 60.0)  # joined the group
+            assert any("retry-sidecar" in n for n in await named())
+            server.pause()
+            try:
+                closing = asyncio.ensure_future(store.close())
+                await _sent(store)
+                closing.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await closing
+            finally:
+                server.resume()
+            assert not store.available
+            with pytest.raises(errors.DlqUnavailable):
+                await store.add(rec())
+
+            async def gone() -> bool:
+                return not any("retry-sidecar" in n for n in await named())
+
+            await until_async(gone, "the store's connections closed")
+
+        run(main)
+
+
+def test_the_prune_judges_the_audit_window_on_redis_s_clock(run: Run, tmp_path: Path) -> None:
+    """A pod whose clock runs a day ahead prunes nothing delivered just now: the window is
+    measured on Redis's clock, as the delivery was stamped."""
+    from sidecar.dlq.replay import DELIVERED_RETENTION
+
+    with running(tmp_path / "redis") as server:
+
+        async def main() -> None:
+            store = redis_store(server.url)
+            try:
+                ahead = lambda: time.time() + 86_400.0  # noqa: E731
+                store.wall = ahead
+                rid = await store.add(rec())
+                await store.claim(rid, "me", ("pending",), 60.0, NOW)
+                assert await store.finish(rid, "me", DELIVERED, NOW)
+                assert await store.prune_delivered(ahead() - DELIVERED_RETENTION) == 0
+                assert await store.get(rid) is not None
+                assert await store.prune_delivered(ahead() + 1.0) == 1  # past it: pruned
             finally:
                 await store.close()
 

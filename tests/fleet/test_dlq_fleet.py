@@ -8,6 +8,7 @@ cancelled mid-replay gives its claim back; every Redis connection is closed at s
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 from collections import Counter
 from pathlib import Path
@@ -63,6 +64,21 @@ def client_list(port: int) -> list[str]:
             data += chunk
     lines = data.decode().split("\r\n", 1)[1].splitlines()
     return [f.split("=", 1)[1] for line in lines for f in line.split() if f.startswith("name=")]
+
+
+async def redis_command(server: RedisServer, name: str, *args: Any) -> Any:
+    """One command on the test's Redis, through a client of its own."""
+    from redis.asyncio import Redis
+
+    r = Redis.from_url(server.url)
+    try:
+        return await r.execute_command(name, *args)
+    finally:
+        await r.aclose()
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def admin(sc: Any) -> str:
@@ -201,6 +217,135 @@ async def test_the_redrive_cancelled_mid_replay_gives_its_claim_back_and_stop_cl
         hang.set()
         await sc.stop()
     assert "retry-sidecar" not in client_list(redis_server.port)
+
+
+async def fleet_process(
+    tmp_path: Path, name: str, up_url: str, redis_url: str, **kw: Any
+) -> tuple[SidecarProcess, int, int]:
+    """A real sidecar process on ``fleet_yaml`` (``HOSTNAME`` set to ``name``), once both its
+    ports listen: the process, its proxy port and its admin port. The caller stops it."""
+    port, admin_port = free_port(), free_port()
+    cfg = tmp_path / f"{name}.yaml"
+    cfg.write_text(
+        fleet_yaml(
+            up_url, redis_url, listen=f"127.0.0.1:{port}", admin=f"127.0.0.1:{admin_port}", **kw
+        )
+    )
+    p = SidecarProcess(cfg, env={"HOSTNAME": name})
+    p.start()
+    try:
+        await p.wait_port(port, admin_port)
+    except BaseException:
+        p.terminate()
+        raise
+    return p, port, admin_port
+
+
+BURST = 300  # failing writes at once: well over the link's CALLS_MAX (64) and redis-py's 100
+
+
+async def test_a_burst_of_failing_writes_over_the_pool_size_is_all_stored(
+    upstream_factory: Any, tmp_path: Path,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:  # fmt: skip
+    """An outage fails BURST writes at once on a healthy Redis: every one is stored (202 /
+    ``x-retry-dlq: stored``), none refused as ``unavailable`` for want of a pooled connection
+    (a redis-py pool capped at 100 raised "Too many connections", which also paused the link)."""
+    up = await upstream_factory(reply(503))
+    p, port, _ = await fleet_process(tmp_path, "burst", up.url, redis_server.url)
+    try:
+        connector = aiohttp.TCPConnector(limit=BURST)
+        async with aiohttp.ClientSession(connector=connector) as s:
+
+            async def write(i: int) -> str:
+                url = f"http://127.0.0.1:{port}/orders"
+                async with s.post(url, data=b"order-%d" % i) as r:
+                    await r.read()
+                    return r.headers.get("x-retry-dlq", "none")
+
+            told = Counter(await asyncio.gather(*(write(i) for i in range(BURST))))
+            assert told == Counter({"stored": BURST})
+        held = await redis_command(
+            redis_server, "hget", "retry-sidecar:dlq:meta:counts", "held_records"
+        )
+        assert int(held) == BURST
+    finally:
+        assert p.terminate() == 0
+
+
+async def test_a_redis_that_comes_back_empty_is_logged_counted_and_shown(
+    upstream_factory: Any, tmp_path: Path,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:  # fmt: skip
+    """Records acknowledged, then Redis restarted without its files: the sidecar says that
+    acknowledged records may have been lost (an ERROR line, dlq_file_recreated_total, the DLQ
+    warning in GET /status) and goes on storing."""
+    up = await upstream_factory(reply(503))
+    p, port, admin_port = await fleet_process(tmp_path, "empty", up.url, redis_server.url)
+    base = f"http://127.0.0.1:{admin_port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            for i in range(3):
+                async with s.put(f"http://127.0.0.1:{port}/o", data=b"%d" % i) as r:
+                    assert r.headers["x-retry-dlq"] == "stored"
+
+            async def epoch_known() -> bool:
+                async with s.get(base + "/metrics") as r:
+                    return 'retry_sidecar_dlq_records{status="pending"} 3' in await r.text()
+
+            await until_async(epoch_known, "a counts read after the writes")
+            async with s.get(base + "/metrics") as r:
+                assert "retry_sidecar_dlq_file_recreated_total 0" in await r.text()
+            redis_server.kill()
+            shutil.rmtree(redis_server.directory / "appendonlydir")
+            redis_server.start()
+
+            async def warned() -> bool:
+                async with s.get(base + "/status") as r:
+                    warning = (await r.json())["process"]["dlq_warning"]
+                return warning is not None and "may have been lost" in warning
+
+            await until_async(warned, "the loss shown in GET /status")
+            async with s.get(base + "/metrics") as r:
+                assert "retry_sidecar_dlq_file_recreated_total 1" in await r.text()
+            async with s.put(f"http://127.0.0.1:{port}/o", data=b"after") as r:
+                assert r.headers["x-retry-dlq"] == "stored"
+        assert await redis_command(redis_server, "exists", "retry-sidecar:dlq:meta:epoch") == 1
+    finally:
+        assert p.terminate() == 0
+    errors = [line for line in p.stderr().splitlines() if "may have been lost" in line]
+    assert len(errors) == 1 and '"level": "error"' in errors[0]
+
+
+async def test_sidecars_stopped_cleanly_leave_no_consumer_behind(
+    upstream_factory: Any, tmp_path: Path,
+    redis_server: RedisServer,  # noqa: F811
+) -> None:  # fmt: skip
+    """Start and stop a redriving sidecar three times: each joins the route's redrive group
+    and, holding nothing, leaves it at its clean stop; the group does not grow."""
+    up = await upstream_factory(reply(200))
+    stream = "retry-sidecar:dlq:main"
+
+    async def consumers() -> list[str]:
+        try:
+            rows = await redis_command(redis_server, "xinfo", "consumers", stream, "redrive")
+        except Exception:  # no stream or group yet
+            return []
+        named = [{_text(k): v for k, v in r.items()} for r in rows]  # parsed by redis-py
+        return [_text(r["name"]) for r in named]
+
+    for i in range(3):
+        name = f"r{i}"
+        p, _, _ = await fleet_process(tmp_path, name, up.url, redis_server.url, redrive=True)
+        try:
+
+            async def joined(name: str = name) -> bool:
+                return any(c.startswith(name + ":") for c in await consumers())
+
+            await until_async(joined, "the sidecar to join the redrive group")
+        finally:
+            assert p.terminate() == 0
+        assert await consumers() == []
 
 
 @pytest.mark.slow
