@@ -157,7 +157,13 @@ async def guarded(
     try:
         claim = await store.claim(skey, fp, lease)
     except StoreError as exc:
-        log.warning("idempotency store unavailable (%s): %s", policy.on_store_error, exc)
+        warnings = holdings.store_warnings
+        if warnings.allow(clock.monotonic()):
+            left = warnings.suppressed
+            more = f" ({left} more like it left out since start, 10 a minute)" if left else ""
+            log.warning(
+                "idempotency store unavailable (%s): %s%s", policy.on_store_error, exc, more
+            )
         if policy.on_store_error == "pass":
             return GuardResult(await forward(), O.STORE_ERROR)
         return GuardResult(problem.store_unavailable(key), O.STORE_ERROR)

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 
 from sidecar.core import Clock
 from sidecar.idempotency.store import IdempotencyStore, StoreError
+from sidecar.telemetry.logs import RateLimit
 
 log = logging.getLogger("sidecar.idempotency")
 
@@ -45,6 +46,9 @@ class Holdings:
         self._held: dict[str, tuple[str, float]] = {}  # key: (fingerprint, lease)
         self._retriers: set[asyncio.Task[None]] = set()
         self.given_up = 0  # settlements that never landed within their bound
+        # The warning a guarded write logs when the store cannot answer: at most 10 a minute
+        # (an outage of the store would otherwise log one line per request).
+        self.store_warnings = RateLimit(per_interval=10, interval=60.0)
 
     def holds(self, key: str) -> bool:
         return key in self._held

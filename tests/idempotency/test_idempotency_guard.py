@@ -19,6 +19,7 @@ from sidecar.idempotency import guard as guard_module
 from sidecar.idempotency.answer import Answer, Forwarded
 from sidecar.idempotency.fingerprint import NO_SCOPE, fingerprint, stored_key
 from sidecar.idempotency.guard import GuardResult, RequestView, guarded
+from sidecar.idempotency.holding import Holdings
 from sidecar.idempotency.keep import KeptAnswer
 from sidecar.idempotency.outcome import IdempotencyOutcome as O
 from sidecar.idempotency.policy import IdempotencyPolicy
@@ -311,6 +312,32 @@ def test_a_store_that_cannot_answer(run: Run, tmp_path: Path, clock: FakeClock, 
             assert isinstance(got.answer, Forwarded) and app.calls == 1
 
     run(main)
+
+
+def test_a_store_outage_is_warned_about_ten_times_a_minute_not_per_request(
+    run: Run, tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each guarded write that finds the store unable to answer used to log its own warning:
+    an outage flooded the log at the request rate."""
+    store = SqliteIdempotencyStore(str(tmp_path / "never-opened.sqlite3"), clock)
+    policy = IdempotencyPolicy(enabled=True, on_store_error="refuse")
+    holdings = Holdings(clock)
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "store unavailable" in r.getMessage()]
+
+    async def main() -> None:
+        app = App()
+        for _ in range(100):
+            got = await guarded(policy, store, view(), app.forward, clock, holdings=holdings)
+            assert got.outcome is O.STORE_ERROR
+        assert len(warnings()) == 10
+        clock.advance(60.0)
+        await guarded(policy, store, view(), app.forward, clock, holdings=holdings)
+        assert len(warnings()) == 11 and "90 more like it left out" in warnings()[-1]
+
+    with caplog.at_level("WARNING", logger="sidecar.idempotency"):
+        run(main)
 
 
 def test_a_dead_holders_key_is_taken_over_after_its_lease_and_counted(

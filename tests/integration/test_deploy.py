@@ -451,6 +451,27 @@ def test_values_schema_rejects_bad_fleet_values(values, message):
         chart.validate_schema(chart.merge_values(values))
 
 
+def test_a_dlq_kept_in_redis_gets_no_volume_and_no_bound_from_one():
+    """The chart treated a DLQ in the fleet's Redis as the pod's SQLite file: a StatefulSet with
+    a volume nothing writes to, max_bytes bounded by half of that volume (a fleet-wide bound of
+    4 GiB refused for "room for SQLite's WAL"), and a false warning that records are lost with
+    a pod."""
+    app = [{"name": "app", "upstream": "{{APP}}"}]
+    fleet = {"redis": {"url": "redis://redis:6379/0"}}
+    policy = {"dlq": {"backend": "redis", "max_bytes": 4 * 2**30}, "routes": app}
+    values = {"fleet": fleet, "sidecar": {"policy": policy}}
+    docs = render(values)
+    kind = workload(docs)
+    assert kind["kind"] == "Deployment" and "volumeClaimTemplates" not in kind["spec"]
+    assert parse_text(rendered_config(docs)).dlq.max_bytes == 4 * 2**30
+    notes = helm.Chart.load(str(CHART)).render(values, name="shop", namespace="shop")
+    text = next(t for p, t in notes.items() if p.endswith("NOTES.txt"))
+    assert "records are lost when a pod goes away" not in text
+    assert "fleet's Redis (dlq.backend: redis)" in text
+    # The SQLite DLQ keeps its volume and its bound.
+    assert workload(render({}))["kind"] == "StatefulSet"
+
+
 def test_what_needs_the_fleet_redis_is_refused_without_it():
     """As the sidecar would refuse the rendered config at start: the chart says so at render."""
     with pytest.raises(helm.HelmError, match=r"fleet\.killswitch: true needs fleet\.redis\.url"):

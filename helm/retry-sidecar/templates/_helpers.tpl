@@ -61,7 +61,7 @@ RETRY_SIDECAR_REDIS_PASSWORD
 {{- $_ := set $policy "admin" (dict "listen" (printf "0.0.0.0:%d" (int .Values.sidecar.adminPort)) "token_env" "RETRY_SIDECAR_ADMIN_TOKEN" "allowed_hosts" (default (list) .Values.sidecar.adminAllowedHosts)) -}}
 {{- $dlq := default (dict) (get $policy "dlq") -}}
 {{- $_ := set $dlq "path" "/data/dlq.sqlite3" -}}
-{{- if .Values.dlq.persistence.enabled }}
+{{- if include "retry-sidecar.dlqOnVolume" . }}
 {{- /* The DLQ may hold half of its volume: the rest is room for SQLite's WAL, its -shm, free
 pages and per-row overhead, so that "full" refuses records before the disk does. */ -}}
 {{- $size := .Values.dlq.persistence.size -}}
@@ -154,4 +154,11 @@ the container's env names (retry-sidecar.sidecarContainer). */ -}}
       readOnly: true
     - name: dlq
       mountPath: /data
+{{- end }}
+
+{{/* "true" when the DLQ is a SQLite file on the pod's volume: persistence on and the DLQ not
+kept in the fleet's Redis (sidecar.policy.dlq.backend: redis), which needs no volume. */}}
+{{- define "retry-sidecar.dlqOnVolume" -}}
+{{- $dlq := default (dict) (get .Values.sidecar.policy "dlq") -}}
+{{- if and .Values.dlq.persistence.enabled (ne (toString (get $dlq "backend")) "redis") }}true{{ end -}}
 {{- end }}
