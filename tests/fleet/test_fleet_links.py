@@ -42,9 +42,8 @@ async def test_a_link_is_shown_under_its_use_until_it_is_closed(
             LinkState("dlq", True, None, "writes get unavailable"),  # not asked yet
             LinkState("idempotency", True, None, "on_store_error"),
         ]
-        with caplog.at_level(logging.WARNING, "sidecar.fleet"):
-            with pytest.raises(FleetUnavailable):
-                await dlq.call(lambda r: r.ping())
+        with caplog.at_level(logging.WARNING, "sidecar.fleet"), pytest.raises(FleetUnavailable):
+            await dlq.call(lambda r: r.ping())
         [state, other] = links.states()
         assert (state.use, state.state, other.state) == ("dlq", "unreachable", "connected")
         assert state.error is not None and "Error 111 connecting to" in state.error
@@ -55,4 +54,3 @@ async def test_a_link_is_shown_under_its_use_until_it_is_closed(
         assert [s.use for s in links.states()] == ["idempotency"]
         await keys.close()
     assert links.states() == []
-

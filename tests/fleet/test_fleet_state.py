@@ -8,8 +8,8 @@ back to 1 and the log says so. Only the uses that are on have a series."""
 from __future__ import annotations
 
 import re
-from html import escape
 from collections.abc import AsyncIterator, Iterator
+from html import escape
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +76,8 @@ async def gauges(admin: int) -> dict[str, str]:
 async def status(admin: int, session: aiohttp.ClientSession) -> dict[str, Any]:
     async with session.get(f"http://127.0.0.1:{admin}/status") as r:
         body: dict[str, Any] = await r.json()
-    return body["process"]["fleet"]
+    fleet: dict[str, Any] = body["process"]["fleet"]
+    return fleet
 
 
 @pytest.mark.parametrize("use", list(USES))

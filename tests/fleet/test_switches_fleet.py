@@ -162,6 +162,7 @@ async def test_redis_killed_keeps_the_switches_and_says_so_then_converges(
     # the first failure may be the old connection closed, the next ones are refused.
     async def refused() -> bool:
         status, body = await call("GET", b, "/status")
+        assert status == 200
         fleet = body["process"]["fleet"]["killswitch"]
         return fleet["state"] == "unreachable" and "Error 111 connecting to" in str(fleet["error"])
 
