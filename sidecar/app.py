@@ -29,6 +29,7 @@ from sidecar.dlq.service import DlqService
 from sidecar.engine.figures import RouteFigureSource
 from sidecar.engine.resolve import Resolver
 from sidecar.engine.routestate import RouteStates
+from sidecar.fleet.links import FleetLinks
 from sidecar.fleet.switches import TASK as FLEET_SWITCHES
 from sidecar.fleet.switches import FleetSwitches
 from sidecar.heaptrim import HeapTrimmer
@@ -84,7 +85,10 @@ class Sidecar:
         self._declare_routes(config)
         self.resolver = Resolver(self.states)
         self.figures = RouteFigureSource(self.states, lambda: self.store.current)
-        self.kill = KillSwitch(self.clock.wall, FleetSwitches.of(config.fleet, self.clock))
+        # Every use's link to the fleet's Redis, one view for the gauge and the status page.
+        self.fleet_links = FleetLinks()
+        fleet = FleetSwitches.of(config.fleet, self.clock, self.fleet_links)
+        self.kill = KillSwitch(self.clock.wall, fleet)
         apply_file(self.kill, config, self.clock.monotonic(), self.clock.wall())
         self.life = Lifecycle()
         self.kill.on_set(self.life.nudge_sleepers)
@@ -114,7 +118,7 @@ class Sidecar:
             ),
         )
         # The idempotency store: opened once a route enables idempotency (restart-only keys).
-        self.keys = keys.KeyStoreService(config, self.clock, self._keys_opened)
+        self.keys = keys.KeyStoreService(config, self.clock, self._keys_opened, self.fleet_links)
         self.reloader = (
             Reloader(config_path, self.store, self.apply, self._on_reload) if config_path else None
         )
@@ -129,6 +133,7 @@ class Sidecar:
             spawn=self.spawn,
             on_open=self._dlq_opened,
             recreated=lambda: self.metrics.dlq_file_recreated.inc(()),
+            links=self.fleet_links,
         )
         self._proxy_server: SidecarServer | None = None
         self._proxy_runner: web.ServerRunner | None = None
@@ -144,6 +149,7 @@ class Sidecar:
             clock=self.clock,
             dlq=lambda: self.dlqs.store,
             tunnels=self.deps.tunnels,
+            fleet=self.fleet_links,
         )
         self.rates = RateSampler(self.metrics, self.clock)  # for the status page
         self.heap = HeapTrimmer()
@@ -158,6 +164,7 @@ class Sidecar:
             rates=self.rates,
             stats=self.process_stats,
             dlq=DlqFigures(lambda: self.dlqs.store, self.dlqs.location, lambda: self.dlqs.warning),
+            fleet=self.fleet_links,
             started_mono=self.clock.monotonic(),
             started_wall=self.clock.wall(),
         )

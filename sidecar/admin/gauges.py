@@ -1,6 +1,7 @@
 """The Prometheus gauges that describe state, read from their owners at scrape time: the
 per-route figures (``engine/figures.py``: breaker, throttle, concurrency limit, per-try
-timeout, endpoints), the kill switches, the open tunnels and the DLQ's counts. A gauge only
+timeout, endpoints), the kill switches, the links to the fleet's Redis, the open tunnels and
+the DLQ's counts. A gauge only
 projects; it computes no figure of its own."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from sidecar.admin.killswitch import KillSwitch
 from sidecar.config.store import ConfigStore
 from sidecar.core import Clock
 from sidecar.engine.figures import BREAKER_GAUGE, RouteFigures, RouteFigureSource
+from sidecar.fleet.links import FleetLinks
 from sidecar.proxy.tunnel import Tunnels
 from sidecar.telemetry.metrics import Labels, Metrics
 
@@ -30,6 +32,7 @@ def wire_gauges(
     clock: Clock,
     dlq: Callable[[], DlqStorage | None],
     tunnels: Tunnels,
+    fleet: FleetLinks,
 ) -> None:
     def per_route(
         value: Callable[[RouteFigures], float],
@@ -56,8 +59,8 @@ def wire_gauges(
         return out
 
     def fleet_connected() -> dict[Labels, float]:
-        fleet = kill.fleet
-        return {} if fleet is None else {(): 1.0 if fleet.connected else 0.0}
+        """One series per use of the fleet's Redis that is on (its link made)."""
+        return {(("use", s.use),): 1.0 if s.connected else 0.0 for s in fleet.states()}
 
     # The DLQ gauges read what the store's writer thread last published: a scrape never
     # runs a query on the event loop.

@@ -13,7 +13,7 @@ from html import escape
 from urllib.parse import urlencode
 
 from sidecar.admin.fmt import age, figure_text, pct, rate, size, success_class, when
-from sidecar.admin.snapshot import WINDOWS, RouteStatus, Status, SwitchView
+from sidecar.admin.snapshot import WINDOWS, FleetUse, RouteStatus, Status, SwitchView
 from sidecar.engine.figures import COLUMNS
 
 REFRESH_CHOICES = (0, 2, 5, 10, 30, 60)
@@ -350,15 +350,19 @@ def _process(st: Status) -> str:
         items.append(
             ("DLQ warning", f'<span class="bad" id="dlq-warning">{escape(p.dlq_warning)}</span>')
         )
-    if p.fleet_switches != "off":
-        cls = "ok" if p.fleet_switches == "connected" else "bad"
-        why = f"{escape(p.fleet_error)}; " if p.fleet_error else ""
-        kept = "" if cls == "ok" else f" <small>({why}the switches last known are kept)</small>"
-        items.append(
-            ("Fleet switches", f'<span class="{cls}" id="fleet">{p.fleet_switches}</span>{kept}')
-        )
+    items.extend(_fleet(use, f) for use, f in p.fleet.items())
     cells = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in items)
     return f'<h2>Process</h2><dl class="grid" id="process">{cells}</dl>'
+
+
+def _fleet(use: str, f: FleetUse) -> tuple[str, str]:
+    """One use of the fleet's Redis: its state, and while unreachable why and what it means."""
+    name, state = f"Fleet Redis: {escape(use)}", f'id="fleet-{escape(use)}">{escape(f.state)}'
+    if f.state == "connected":
+        return name, f'<span class="ok" {state}</span>'
+    why = f"{escape(f.error)}; " if f.error else ""
+    means = f"<small>({why}{escape(f.while_unreachable)})</small>"
+    return name, f'<span class="bad" {state}</span> {means}'
 
 
 def _legend(st: Status, token_set: bool) -> str:

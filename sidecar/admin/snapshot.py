@@ -20,6 +20,7 @@ from sidecar.config.store import ConfigStore
 from sidecar.config.watch import Reloader
 from sidecar.core import Clock
 from sidecar.engine.figures import RouteFigures, RouteFigureSource
+from sidecar.fleet.links import FleetLinks
 from sidecar.lifecycle import Lifecycle
 from sidecar.telemetry.metrics import Metrics
 
@@ -54,6 +55,7 @@ class StatusSources:
     rates: RateSampler
     stats: Callable[[], dict[str, Any]]
     dlq: DlqView
+    fleet: FleetLinks  # every use's link to the fleet's Redis
     started_mono: float = field(default_factory=time.monotonic)
     started_wall: float = field(default_factory=time.time)
     _dlq_cache: tuple[float, dict[str, dict[str, Any]]] | None = None
@@ -104,6 +106,18 @@ class RouteStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class FleetUse:
+    """One use of the fleet's Redis (``process.fleet``, by use name)."""
+
+    state: str  # "connected" or "unreachable"
+    # While unreachable: the text of the error that made it so (Redis's own words: a refused
+    # password, no such database, a refused connection, "did not answer in time").
+    error: str | None
+    # What the use does while the Redis is unreachable, as its owner says it.
+    while_unreachable: str
+
+
+@dataclass(frozen=True, slots=True)
 class ProcessStatus:
     name: str
     uptime: float
@@ -124,15 +138,12 @@ class ProcessStatus:
     upstream_idle: int
     dlq: str  # "open", "off" (no route uses it) or "unavailable"
     dlq_path: str
-    # Fleet kill switches: "off" (fleet.killswitch false), "connected" or "unreachable" (the
-    # switches last known are kept).
-    fleet_switches: str = "off"
+    # Every use of the fleet's Redis that is on (killswitch, idempotency, dlq), by name; empty
+    # without fleet mode.
+    fleet: dict[str, FleetUse] = field(default_factory=dict)
     # What the start-up check of the DLQ's store found wrong (a fleet Redis that does not
     # fsync every write, or whose settings cannot be read), or None.
     dlq_warning: str | None = None
-    # While unreachable: the text of the error that made it so (Redis's own words:
-    # a refused password, no such database, a refused connection, "did not answer in time").
-    fleet_error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,17 +238,10 @@ async def take(src: StatusSources, window: str = DEFAULT_WINDOW) -> Status:
         upstream_idle=sum(int(p.get("idle", 0)) for p in pools),
         dlq="open" if dlq_open else _dlq_off(src),
         dlq_path=src.dlq.location(),
-        fleet_switches=_fleet(src.kill),
+        fleet={s.use: FleetUse(s.state, s.error, s.while_unreachable) for s in src.fleet.states()},
         dlq_warning=src.dlq.warning(),
-        fleet_error=None if src.kill.fleet is None else src.kill.fleet.link.last_error,
     )
     return Status(wall, window, win.seconds, process, routes, switches)
-
-
-def _fleet(kill: KillSwitch) -> str:
-    if kill.fleet is None:
-        return "off"
-    return "connected" if kill.fleet.connected else "unreachable"
 
 
 def _dlq_off(src: StatusSources) -> str:

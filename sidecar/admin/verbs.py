@@ -108,6 +108,16 @@ def _keys(counts: dict[str, int] | None) -> str:
     return ", ".join(f"{k} {n}" for k, n in counts.items()) or "-"
 
 
+def fleet_line(uses: dict[str, dict[str, Any]]) -> str:
+    """Each use of the fleet's Redis and its state; why, and what it means, while unreachable."""
+    said = []
+    for use, f in uses.items():
+        why = f"{f['error']}; " if f["error"] else ""
+        more = "" if f["state"] == "connected" else f" ({why}{f['while_unreachable']})"
+        said.append(f"{use} {f['state']}{more}")
+    return ", ".join(said)
+
+
 def print_status(st: dict[str, Any], out: TextIO) -> None:
     p = st["process"]
     reload = "ok" if p["last_reload_ok"] else f"FAILED: {p['last_error']}"
@@ -125,6 +135,8 @@ def print_status(st: dict[str, Any], out: TextIO) -> None:
     out.write(printable("  ".join(head)) + "\n")
     if p.get("dlq_warning"):
         out.write(printable("dlq warning: " + p["dlq_warning"]) + "\n")
+    if p["fleet"]:
+        out.write(printable("fleet redis: " + fleet_line(p["fleet"])) + "\n")
     if p["restart_required"]:
         out.write(printable("needs a restart: " + "; ".join(p["restart_required"])) + "\n")
     out.write("\n")

@@ -31,6 +31,7 @@ from sidecar.config.model import Config
 from sidecar.dlq.opening import Opening, close_opened, on_loop
 from sidecar.dlq.reopen import reopen_delay
 from sidecar.engine.deps import EngineDeps
+from sidecar.fleet.links import FleetLinks
 
 if TYPE_CHECKING:
     # The stores, the replayer and the redrive (and sqlite3 or redis with them) are imported
@@ -46,6 +47,7 @@ log = logging.getLogger("sidecar.dlq")
 Spawn = Callable[[str, Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 COUNTS_EVERY = 2.0  # seconds between reads of the fleet-wide counts for the gauges
 CHECK_AGAIN = 5.0  # seconds before the start-up check asks an unreachable Redis again
+FLEET_USE = "dlq"  # the Redis backend's link, as the fleet view names it
 
 
 class DlqService:
@@ -58,6 +60,7 @@ class DlqService:
         spawn: Spawn,
         on_open: Callable[[DlqStorage], None],
         recreated: Callable[[], None],
+        links: FleetLinks,
     ) -> None:
         # What the process started with (restart-only), even when a reload opens it.
         self.backend = config.dlq.backend
@@ -68,6 +71,7 @@ class DlqService:
         self._spawn = spawn
         self._on_open = on_open
         self._recreated = recreated
+        self._links = links  # the Redis backend's link is shown there
         self.store: DlqStorage | None = None
         self.replayer: Replayer | None = None
         self.redrive: Redrive | None = None
@@ -170,7 +174,8 @@ class DlqService:
         from sidecar.dlq.redisstore import RedisDlqStore
         from sidecar.fleet.connection import FleetLink
 
-        link = FleetLink(self._redis, self._engine.clock)
+        link = FleetLink(self._redis, self._engine.clock, use=FLEET_USE)
+        self._links.add(link, "writes get x-retry-dlq: unavailable; records are not redriven")
         store = RedisDlqStore(
             link, config.dlq.max_records, config.dlq.max_bytes, location=self._where()
         )

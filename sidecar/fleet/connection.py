@@ -10,7 +10,9 @@ After a failure the Redis is left alone for a pause that doubles up to ``BACKOFF
 its timeout on a Redis that is down or paused; the first call after it tries again, and a
 success ends the pause. redis-py reconnects by itself on that call. A failure is logged as a
 warning with Redis's own words, once per kind per 30 s (``report.ErrorReport``), and its text is
-kept for the status page.
+kept for the status page. A link is named for its use (``use``: ``killswitch``,
+``idempotency``, ``dlq``), which the warnings name and under which ``links.FleetLinks`` shows
+it; the first success after a warning is logged too (the Redis answers again).
 
 Connections. The pool hands out a connection only after checking it (redis-py's
 ``ensure_connection``): one that Redis closed while it sat idle (a Redis restart, an idle
@@ -147,13 +149,20 @@ class FleetLink:
     ``timeout``, a failure a ``FleetUnavailable``."""
 
     def __init__(
-        self, settings: FleetRedis, clock: Clock, environ: Mapping[str, str] | None = None
+        self,
+        settings: FleetRedis,
+        clock: Clock,
+        environ: Mapping[str, str] | None = None,
+        *,
+        use: str = "",
     ) -> None:
         self.client = make_client(settings, environ)
+        self.use = use  # what this link is for, named by the use that makes it
         self.prefix = settings.key_prefix
         self.timeout = settings.timeout
         self.backoff = ReconnectPause()
-        self.errors = ErrorReport()
+        self.errors = ErrorReport(subject=f"the fleet Redis ({use})" if use else "the fleet Redis")
+        self.closed = False
         self._clock = clock
         self._failures = failures()
         self._slots = asyncio.Semaphore(CALLS_MAX)
@@ -194,7 +203,10 @@ class FleetLink:
         finally:
             self._slots.release()
         self.backoff.succeeded()
-        self.errors.succeeded()
+        if self.errors.last is not None:
+            told = self.errors.succeeded()
+            if told is not None:
+                log.info(told)
         return result
 
     def _failed(self, exc: BaseException) -> FleetUnavailable:
@@ -207,4 +219,5 @@ class FleetLink:
         return FleetUnavailable(f"the fleet Redis is unreachable: {text}")
 
     async def close(self) -> None:
+        self.closed = True
         await self.client.aclose()

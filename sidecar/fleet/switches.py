@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from sidecar.config.fleet import Fleet
 from sidecar.core import Clock
 from sidecar.fleet.connection import FleetLink, FleetUnavailable
+from sidecar.fleet.links import FleetLinks
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from redis.commands.core import AsyncScript
 
 READ_EVERY = 1.0  # seconds between two reads of the shared hash
+FLEET_USE = "killswitch"  # this use's link, as the fleet view names it
 # KEYS: the hash; ARGV: the deadline on Redis's clock (seconds), the channel, the scope, the
 # value. Nothing written once Redis's clock is past the deadline: the sidecar has given up.
 _IN_TIME = """
@@ -171,11 +173,14 @@ class FleetSwitches:
         self._prune = link.client.register_script(_PRUNE)
 
     @classmethod
-    def of(cls, fleet: Fleet, clock: Clock) -> FleetSwitches | None:
-        """The fleet's switches when ``fleet.killswitch`` is on, else None."""
+    def of(cls, fleet: Fleet, clock: Clock, links: FleetLinks) -> FleetSwitches | None:
+        """The fleet's switches when ``fleet.killswitch`` is on, else None; their link shown
+        in ``links``."""
         if not fleet.killswitch:
             return None
-        return cls(FleetLink(fleet.redis, clock), clock, sidecar_name())
+        link = FleetLink(fleet.redis, clock, use=FLEET_USE)
+        links.add(link, "the switches last known are kept; setting or lifting one is refused")
+        return cls(link, clock, sidecar_name())
 
     @property
     def connected(self) -> bool:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from sidecar.config.fleet import FleetRedis
 from sidecar.config.model import Config
 from sidecar.core import Clock
+from sidecar.fleet.links import FleetLinks
 from sidecar.idempotency.holding import Holdings
 from sidecar.idempotency.store import IdempotencyStore
 
@@ -31,6 +32,7 @@ log = logging.getLogger("sidecar.idempotency")
 
 REOPEN_FIRST = 1.0  # seconds before the second try; doubled each time up to REOPEN_MAX
 REOPEN_MAX = 60.0
+FLEET_USE = "idempotency"  # the Redis backend's link, as the fleet view names it
 
 
 def wanted(config: Config) -> bool:
@@ -59,6 +61,7 @@ class KeyStoreService:
         config: Config,
         clock: Clock,
         on_open: Callable[[IdempotencyStore], None],
+        links: FleetLinks,
     ) -> None:
         # What the process started with (``backend``, ``path`` and ``fleet`` are restart-only).
         self.path = config.idempotency.path
@@ -66,6 +69,7 @@ class KeyStoreService:
         self._redis: FleetRedis = config.fleet.redis
         self._clock = clock
         self._on_open = on_open
+        self._links = links  # the Redis backend's link is shown there
         self.store: IdempotencyStore | None = None
         # The keys this process holds and the settlements it retries: stopped before the close.
         self.holdings = Holdings(clock)
@@ -107,7 +111,9 @@ class KeyStoreService:
         from sidecar.fleet.connection import FleetLink
         from sidecar.idempotency.redisstore import RedisIdempotencyStore
 
-        store = RedisIdempotencyStore(FleetLink(self._redis, self._clock), self._clock)
+        link = FleetLink(self._redis, self._clock, use=FLEET_USE)
+        self._links.add(link, "guarded writes get their route's on_store_error")
+        store = RedisIdempotencyStore(link, self._clock)
         self.store, self._closing = store, store.close
         self._on_open(store)
         log.info("idempotency keys kept in the fleet Redis (%s)", self._redis.url)

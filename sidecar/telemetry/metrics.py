@@ -137,7 +137,9 @@ class Metrics:
         )
         self.kill_switch = Gauge("kill_switch_active", "1 while a kill switch is set.")
         self.fleet_connected = Gauge(
-            "fleet_connected", "1 while the fleet's Redis answers (fleet.killswitch on)."
+            "fleet_connected",
+            "1 while the fleet's Redis answers the calls of a use of it (label use), 0 while "
+            "it is unreachable; a series per use that is on.",
         )
         self.request_duration = Histogram(
             "request_duration_seconds", "Whole retry sequence duration, by route."

@@ -6,6 +6,7 @@ from __future__ import annotations
 from sidecar.admin.killswitch import KillSwitch
 from sidecar.config.fleet import Fleet, FleetRedis
 from sidecar.core import Clock
+from sidecar.fleet.links import FleetLinks
 from sidecar.fleet.switches import FleetSwitch, FleetSwitches, in_force, merge, parse
 from sidecar.testing import FakeClock
 
@@ -41,7 +42,7 @@ def test_what_was_known_ends_at_its_expiry_without_a_read() -> None:
 
 def fleet_switches(clock: FakeClock) -> FleetSwitches:
     settings = Fleet(FleetRedis(url="redis://127.0.0.1:9/0"), killswitch=True)
-    made = FleetSwitches.of(settings, clock)
+    made = FleetSwitches.of(settings, clock, FleetLinks())
     assert made is not None
     return made
 
@@ -70,5 +71,7 @@ def test_fleet_switches_are_a_third_source_ending_on_the_wall_clock() -> None:
 
 
 def test_without_fleet_switches_there_is_no_fleet_source() -> None:
-    assert FleetSwitches.of(Fleet(), Clock()) is None
+    links = FleetLinks()
+    assert FleetSwitches.of(Fleet(), Clock(), links) is None
+    assert links.states() == []  # no link made, none shown
     assert KillSwitch().fleet is None

@@ -1,7 +1,7 @@
 """Fleet kill switches across real sidecar processes: two or three sidecars share one
 real redis-server with ``fleet.killswitch: true``. A switch set through one is seen by the
 others, lifted through another is lifted everywhere, reaches a sidecar started later, survives
-a Redis killed (kept, ``fleet_connected`` 0) and converges once it is back."""
+a Redis killed (kept, ``fleet_connected{use="killswitch"}`` 0) and converges once it is back."""
 
 from __future__ import annotations
 
@@ -74,7 +74,8 @@ async def scopes(admin: int) -> set[str]:
 async def fleet_gauge(admin: int) -> str:
     async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{admin}/metrics") as r:
         text = await r.text()
-    [line] = [x for x in text.splitlines() if x.startswith("retry_sidecar_fleet_connected ")]
+    [line] = [x for x in text.splitlines() if x.startswith("retry_sidecar_fleet_connected{")]
+    assert line.startswith('retry_sidecar_fleet_connected{use="killswitch"} ')  # the one use on
     return line.split()[1]
 
 
@@ -161,12 +162,15 @@ async def test_redis_killed_keeps_the_switches_and_says_so_then_converges(
     # the first failure may be the old connection closed, the next ones are refused.
     async def refused() -> bool:
         status, body = await call("GET", b, "/status")
-        return status == 200 and "Error 111 connecting to" in str(body["process"]["fleet_error"])
+        assert status == 200
+        fleet = body["process"]["fleet"]["killswitch"]
+        return fleet["state"] == "unreachable" and "Error 111 connecting to" in str(fleet["error"])
 
     await until_async(refused, "the refused connection named on GET /status", timeout=BOUND)
     async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{b}/") as r:
         page = await r.text()
-    assert 'id="fleet">unreachable' in page and "Error 111 connecting to" in page
+    assert 'id="fleet-killswitch">unreachable' in page and "Error 111 connecting to" in page
+    assert "the switches last known are kept" in page
     status, body = await call("DELETE", b, "/killswitch?scope=global")
     assert status == 503 and "nothing changed" in body["error"]
     status, body = await call("PUT", b, "/killswitch", {**GLOBAL, "scope": "route:orders"})
@@ -177,7 +181,14 @@ async def test_redis_killed_keeps_the_switches_and_says_so_then_converges(
         return await fleet_gauge(a) == "1" and await fleet_gauge(b) == "1"
 
     await until_async(connected, "fleet_connected 1 on both", timeout=BOUND)
-    assert (await call("GET", b, "/status"))[1]["process"]["fleet_error"] is None
+    assert (await call("GET", b, "/status"))[1]["process"]["fleet"] == {
+        "killswitch": {
+            "state": "connected",
+            "error": None,
+            "while_unreachable": "the switches last known are kept; setting or lifting one is "
+            "refused",
+        }
+    }
     assert (await call("DELETE", b, "/killswitch?scope=global"))[0] == 200
     await seen([a, b], set(), "the lift after the restart on both")
 
@@ -187,9 +198,11 @@ async def test_the_task_cancelled_half_way_closes_its_connections(redis: RedisSe
 
     from sidecar.config.fleet import Fleet, FleetRedis
     from sidecar.core import Clock
+    from sidecar.fleet.links import FleetLinks
     from sidecar.fleet.switches import FleetSwitches
 
-    made = FleetSwitches.of(Fleet(FleetRedis(url=redis.url), killswitch=True), Clock())
+    links = FleetLinks()
+    made = FleetSwitches.of(Fleet(FleetRedis(url=redis.url), killswitch=True), Clock(), links)
     assert made is not None
     fleet: FleetSwitches = made
     observer = Redis.from_url(redis.url)
@@ -207,6 +220,7 @@ async def test_the_task_cancelled_half_way_closes_its_connections(redis: RedisSe
         with pytest.raises(asyncio.CancelledError):
             await task
         await until_async(lambda: _none(ours), "every connection of the task closed")
+        assert links.states() == []  # its link closed, it is no longer shown
     finally:
         await observer.aclose()
 
