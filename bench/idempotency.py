@@ -205,7 +205,7 @@ def table(out: dict[str, object]) -> str:
 
 
 @contextmanager
-def redis_server(directory: Path, appendfsync: str) -> Iterator[redisserver.RedisServer]:
+def redis_server(directory: Path, appendfsync: str = "always") -> Iterator[redisserver.RedisServer]:
     """A real redis-server (AOF, fsync on every write unless ``appendfsync`` says otherwise),
     stopped by PID however the run ends."""
     if not redisserver.available():
