@@ -189,6 +189,7 @@ def cmd_killswitch(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from sidecar.app import Sidecar
+    from sidecar.heapfreeze import freeze_startup_heap
     from sidecar.proxy.runner import c_parser_in_use
     from sidecar.telemetry import logs
 
@@ -225,6 +226,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"error: cannot listen: {exc}", file=sys.stderr)
             return 1
+        freeze_startup_heap()
         await stop.wait()
         log.info("shutting down")
         await sidecar.stop()

@@ -8,9 +8,11 @@ once per kind per 30 s, and its text is what the link says while it is unreachab
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -102,6 +104,49 @@ def test_a_burst_beyond_the_pool_during_a_short_stall_waits_for_a_connection(
             assert link.connected
         finally:
             redis.resume()
+            await link.close()
+
+    run(main)
+
+
+def test_a_burst_of_new_connections_reads_no_package_metadata_on_the_loop(
+    run: Run, redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py 7.1+ built a ``DriverInfo`` per new connection, reading the package's version
+    with ``importlib.metadata`` (a walk of ``sys.path``, 0.3-7 ms on the loop each): a burst of
+    new connections after a stall stalled the loop again. The link builds it once; each
+    connection still tells Redis its library (``CLIENT SETINFO``)."""
+    import redis as redis_py
+
+    async def main() -> None:
+        link = link_to(redis.url, FakeClock())
+        reads: list[str] = []
+        version = importlib.metadata.version
+
+        def counted(name: str) -> str:
+            reads.append(name)
+            return version(name)
+
+        monkeypatch.setattr(importlib.metadata, "version", counted)
+        gate = asyncio.Event()
+        opened = 8
+
+        async def held(r: Redis) -> object:  # each call on a connection of its own
+            await gate.wait()
+            return await r.client_info()
+
+        try:
+            calls = [asyncio.create_task(link.call(held)) for _ in range(opened)]
+            await asyncio.sleep(0)  # every call has taken its connection
+            gate.set()
+            infos = await asyncio.gather(*calls)
+            assert len({info["id"] for info in infos}) == opened  # type: ignore[index]
+            assert reads == []
+            # What CLIENT SETINFO sends (Redis 7.2+ records it; 7.0 ignores it).
+            pool: Any = link.client.connection_pool
+            sent = {c.driver_info.lib_version for c in pool._available_connections}
+            assert sent == {redis_py.__version__}
+        finally:
             await link.close()
 
     run(main)

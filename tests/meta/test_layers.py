@@ -26,7 +26,7 @@ SIDECAR = ROOT / "sidecar"
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"outcomes"}),
     frozenset({"core"}),
-    frozenset({"__init__", "config", "lifecycle", "heaptrim", "jsonapi", "testing"}),
+    frozenset({"__init__", "config", "lifecycle", "heaptrim", "heapfreeze", "jsonapi", "testing"}),
     frozenset({"retry", "upstream", "telemetry", "fleet"}),
     frozenset({"engine", "explain"}),
     frozenset({"proxy", "dlq", "idempotency"}),
