@@ -23,6 +23,9 @@ from tests.proc import SidecarProcess, free_port
 from tests.redisserver import RedisServer, redis_server  # noqa: F401 (the fixture)
 from tests.wait import until, until_async
 
+# Real sidecar processes and a real redis-server each: the full tier.
+pytestmark = pytest.mark.slow
+
 
 def fleet_yaml(
     up_url: str,
@@ -348,7 +351,6 @@ async def test_sidecars_stopped_cleanly_leave_no_consumer_behind(
         assert await consumers() == []
 
 
-@pytest.mark.slow
 async def test_two_sidecar_processes_deliver_every_record_exactly_once(
     upstream_factory: Any, tmp_path: Path,
     redis_server: RedisServer,  # noqa: F811
@@ -423,7 +425,6 @@ async def test_two_sidecar_processes_deliver_every_record_exactly_once(
             assert p.terminate() == 0
 
 
-@pytest.mark.slow
 async def test_a_sidecar_killed_holding_records_leaves_them_to_another_after_the_lease(
     upstream_factory: Any, tmp_path: Path,
     redis_server: RedisServer,  # noqa: F811
