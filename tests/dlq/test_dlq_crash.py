@@ -15,6 +15,7 @@ from tests.redisserver import running
 from tests.wait import until
 
 
+@pytest.mark.slow  # a real sidecar SIGKILLed over several rounds: the full tier
 async def test_acknowledged_records_survive_sigkill(tmp_path: Path) -> None:
     results = await run_rounds(3, tmp_path)
     assert sum(r.acknowledged for r in results) > 0
