@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import logging
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,16 +22,10 @@ from sidecar.testing import FakeClock
 from tests.idempotency import test_idempotency_store as contract
 from tests.idempotency.test_idempotency_store import Run
 from tests.proc import free_port
-from tests.redisserver import RedisServer, running
+from tests.redisserver import RedisServer
 from tests.wait import until
 
 run = contract.run  # the fixture: each test under asyncio and uvloop
-
-
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[RedisServer]:
-    with running(tmp_path / "redis") as server:
-        yield server
 
 
 def link_to(

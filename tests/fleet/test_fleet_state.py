@@ -8,7 +8,6 @@ back to 1 and the log says so. Only the uses that are on have a series."""
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Iterator
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import pytest
 from tests.admin.test_status_cli import cli
 from tests.conftest import reply
 from tests.proc import SidecarProcess, start_process
-from tests.redisserver import RedisServer, running
+from tests.redisserver import RedisServer
 from tests.wait import until_async
 
 pytestmark = pytest.mark.slow
@@ -38,20 +37,6 @@ USES = {
         "PUT",
     ),
 }
-
-
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[RedisServer]:
-    with running(tmp_path / "redis") as server:
-        yield server
-
-
-@pytest.fixture
-async def procs() -> AsyncIterator[list[SidecarProcess]]:
-    started: list[SidecarProcess] = []
-    yield started
-    for p in started:
-        p.terminate()
 
 
 def fleet(redis: RedisServer) -> str:

@@ -6,7 +6,6 @@ a Redis killed (kept, ``fleet_connected{use="killswitch"}`` 0) and converges onc
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,26 +13,12 @@ import aiohttp
 import pytest
 
 from tests.proc import SidecarProcess, free_port
-from tests.redisserver import RedisServer, running
+from tests.redisserver import RedisServer
 from tests.wait import until_async
 
 pytestmark = pytest.mark.slow
 CONTRACT = 2.0  # seconds: a change reaches every sidecar within this
 BOUND = CONTRACT + 3.0  # the wait's bound: the contract plus margin for a loaded machine
-
-
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[RedisServer]:
-    with running(tmp_path / "redis") as server:
-        yield server
-
-
-@pytest.fixture
-async def procs() -> AsyncIterator[list[SidecarProcess]]:
-    started: list[SidecarProcess] = []
-    yield started
-    for p in started:
-        p.terminate()
 
 
 async def start(procs: list[SidecarProcess], tmp_path: Path, redis: RedisServer, name: str) -> int:

@@ -5,8 +5,7 @@ Redis resumes, whether the write was stuck before or after its deadline was read
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -19,16 +18,10 @@ from sidecar.fleet.switches import FleetSwitch, FleetSwitches, deadline
 from sidecar.testing import FakeClock
 from tests.idempotency import test_idempotency_store as contract
 from tests.idempotency.test_idempotency_store import Run
-from tests.redisserver import RedisServer, running
+from tests.redisserver import RedisServer
 
 run = contract.run  # the fixture: each test under asyncio and uvloop
 HASH = "t:killswitches"
-
-
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[RedisServer]:
-    with running(tmp_path / "redis") as server:
-        yield server
 
 
 def switches(redis: RedisServer, clock: FakeClock, name: str, timeout: float) -> FleetSwitches:
