@@ -112,9 +112,10 @@ def cmd_dlq(args: argparse.Namespace) -> int:
 
     from sidecar.admin.fmt import printable_json
     from sidecar.admin.verbs import call_admin as call
-    from sidecar.admin.verbs import fail
+    from sidecar.admin.verbs import fail, replay_verdict
 
     target = _admin_target(args)
+    q: dict[str, str] = {}
     if args.dlq_verb == "list":
         q = {
             k: v
@@ -147,7 +148,9 @@ def cmd_dlq(args: argparse.Namespace) -> int:
         status, body = call(target, "DELETE", f"/dlq/{args.id}")
     if not 200 <= status < 300:
         return fail(status, body)  # on stderr, as every verb's errors: stdout stays data
-    if args.dlq_verb == "list" and not args.json:
+    if args.dlq_verb == "list" and args.output == "text":
+        if not body["records"]:
+            print(_printable(f"no DLQ records{_filters(q)}"))
         for r in body["records"]:
             r = {k: _printable(str(v)) for k, v in r.items()}
             print(
@@ -158,7 +161,15 @@ def cmd_dlq(args: argparse.Namespace) -> int:
             print(_printable(f"(more: the same command with --cursor {body['next']})"))
     else:
         print(printable_json(body))
+    if args.dlq_verb == "replay" and not args.dry_run:
+        return replay_verdict(body)
     return 0
+
+
+def _filters(q: dict[str, str]) -> str:
+    """The filters of an empty ``dlq list``, so that "none" says what was asked."""
+    shown = ", ".join(f"{k} {v}" for k, v in q.items() if k in ("route", "status"))
+    return f" ({shown})" if shown else ""
 
 
 def cmd_idempotency(args: argparse.Namespace) -> int:
@@ -171,7 +182,7 @@ def cmd_idempotency(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from sidecar.admin.verbs import cmd_status as status
 
-    return status(_admin_target(args), args.window, args.json)
+    return status(_admin_target(args), args.window, args.output == "json")
 
 
 def cmd_killswitch(args: argparse.Namespace) -> int:
@@ -183,7 +194,7 @@ def cmd_killswitch(args: argparse.Namespace) -> int:
         getattr(args, "scope", None),
         getattr(args, "ttl", None),
         getattr(args, "reason", None),
-        getattr(args, "json", False),
+        getattr(args, "output", "text") == "json",
     )
 
 
@@ -248,6 +259,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return _run_loop(run_demo(requests=args.requests, seed=args.seed))
 
 
+def _output_options(verb: argparse.ArgumentParser) -> None:
+    """``--json``, and ``-o json|text`` / ``--output`` beside it (the kubectl, istioctl and
+    linkerd habit): the same choice, the last one written wins."""
+    verb.add_argument(
+        "--json", dest="output", action="store_const", const="json", help="print the raw JSON"
+    )
+    verb.add_argument(
+        "-o", "--output", dest="output", choices=["text", "json"], help="text (default) or json"
+    )
+    verb.set_defaults(output="text")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="retry-sidecar", description="An HTTP reverse proxy that does retries right."
@@ -297,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("--limit")
     dl.add_argument("--order", choices=["newest", "oldest"])
     dl.add_argument("--cursor", help="the next page: the value a previous page printed")
-    dl.add_argument("--json", action="store_true", help="print the raw JSON")
+    _output_options(dl)
     ds = dsub.add_parser("show", parents=[common, admin_common], help="one record with its body")
     ds.add_argument("id")
     dr = dsub.add_parser(
@@ -326,13 +349,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="per route: traffic, fates, breaker, budget, kill switches, DLQ (a table)",
     )
     st.add_argument("--window", choices=["10s", "1m", "5m"], default="1m")
-    st.add_argument("--json", action="store_true", help="print the raw JSON")
+    _output_options(st)
     st.set_defaults(func=cmd_status)
 
     ks = sub.add_parser("killswitch", help="list, set or lift kill switches (retries off)")
     kssub = ks.add_subparsers(dest="ks_verb", required=True)
     ksl = kssub.add_parser("list", parents=[common, admin_common], help="active switches")
-    ksl.add_argument("--json", action="store_true", help="print the raw JSON")
+    _output_options(ksl)
     kss = kssub.add_parser(
         "set", parents=[common, admin_common], help="retries off for a scope, for a while"
     )
@@ -363,7 +386,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# What a verb exits with when whoever reads its output stopped reading (``status | head -1``):
+# 128 + SIGPIPE, what the shell reports for git, kubectl or cat stopped the same way, so a
+# ``set -o pipefail`` script sees the same thing as for them.
+EXIT_PIPE_CLOSED = 128 + signal.SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    try:
+        code = int(args.func(args))
+        sys.stdout.flush()  # a reader gone after the last write shows here, not at exit
+    except BrokenPipeError:
+        _stdout_gone()
+        return EXIT_PIPE_CLOSED
+    return code
+
+
+def _stdout_gone() -> None:
+    """The reader of stdout left: stop quietly, as Unix tools do (no traceback). What is
+    still buffered is dropped: stdout is pointed at /dev/null so that the interpreter's own
+    flush at exit has nowhere to fail."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)

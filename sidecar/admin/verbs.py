@@ -51,6 +51,25 @@ def fail(status: int, body: Any) -> int:
     return 1
 
 
+def replay_verdict(body: Any) -> int:
+    """``dlq replay``'s exit status: 0 when every record replayed was delivered (the upstream
+    answered below 400), else 1 with one line on stderr per record that was not, saying what
+    the upstream answered (503, or no answer and why) and where the record is now."""
+    outcomes = body.get("replayed", [body]) if isinstance(body, dict) else []
+    missed = [o for o in outcomes if isinstance(o, dict) and o.get("status") != "delivered"]
+    for o in missed:
+        got = o.get("http_status")
+        answer = f"the upstream answered {got}" if got is not None else "no answer"
+        print(
+            printable(
+                f"error: replay of {o.get('id')} not delivered: {answer} "
+                f"(fate {o.get('fate')}); the record is {o.get('status')}"
+            ),
+            file=sys.stderr,
+        )
+    return 1 if missed else 0
+
+
 def status_rows(st: dict[str, Any]) -> list[list[str]]:
     rows = [
         [
