@@ -65,6 +65,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     for e in expired(config.killswitches, time.time()):  # valid, but ignored when loaded
         print(_printable(expired_warning(config.source, e)), file=sys.stderr)
+    for w in config.warnings:  # valid, but surprising: the line, the key and the fix
+        print(_printable("warning: " + w.render(config.source)), file=sys.stderr)
     n = len(config.routes)
     print(f"OK: {n} route{'s' if n != 1 else ''}")
     return 0
@@ -206,6 +208,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     logs.setup(args.log_level)
     config = _load_or_exit(args.config or default_config_path())  # nothing listens on error
+    for w in config.warnings:
+        log.warning("config: %s", w.render(config.source))
     if not c_parser_in_use() and not args.allow_python_parser:
         print(
             "error: aiohttp's C HTTP parser is not in use (AIOHTTP_NO_EXTENSIONS set, or no "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from sidecar.config.idempotency import guarded_methods
 from sidecar.config.model import Config, Route
 from sidecar.config.render import setting
 from sidecar.retry.worstcase import budget_multiplier, stacked, worst_case
@@ -96,11 +97,18 @@ def _idempotency_line(route: Route) -> str:
     idem = route.idempotency
     if not idem.enabled:
         return "  idempotency: off (the key is forwarded; idempotency: {enabled: true} enforces it)"
+    guarded = guarded_methods(idem, route.match.methods)
+    if not guarded:
+        return (
+            "  idempotency: enabled, but guards nothing: the route matches only "
+            f"{', '.join(sorted(route.match.methods or ()))}, none of "
+            f"{'/'.join(sorted(idem.methods))} (the key is forwarded)"
+        )
     # The lease in force (null: the route's timeout + 5 s), written as the file writes it.
     lease = setting(replace(idem, lease=idem.lease_for(route.timeout)), "lease")
     scope = f", scoped by {idem.scope_header}" if idem.scope_header else ""
     return (
-        f"  idempotency: {'/'.join(sorted(idem.methods))} with an Idempotency-Key reach the app "
+        f"  idempotency: {'/'.join(sorted(guarded))} with an Idempotency-Key reach the app "
         f"once{scope}; the answer kept {setting(idem, 'ttl')} (up to "
         f"{idem.max_response_bytes} bytes) and replayed; a duplicate in progress gets 409, "
         f"another request under the key 422, "

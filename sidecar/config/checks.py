@@ -330,9 +330,16 @@ def methods(value: object) -> frozenset[str]:
         raise Invalid("expected a non-empty list of HTTP methods")
     out = set()
     for m in value:
-        if not isinstance(m, str) or m.upper() not in HTTP_METHODS:
+        if isinstance(m, str) and m not in HTTP_METHODS and m.upper() in HTTP_METHODS:
+            # RFC 9110 section 9.1: the method token is case-sensitive; "get" is another
+            # method than GET (one no client sends), so the entry would be dead or a guess.
+            raise Invalid(
+                f"methods are case-sensitive (RFC 9110 section 9.1): {m!r} is not "
+                f"{m.upper()}; write {m.upper()}"
+            )
+        if not isinstance(m, str) or m not in HTTP_METHODS:
             raise Invalid(f"unknown HTTP method {m!r}")
-        out.add(m.upper())
+        out.add(m)
     return frozenset(out)
 
 

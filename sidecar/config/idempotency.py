@@ -52,6 +52,30 @@ class IdempotencyPolicy:
         return self.lease if self.lease is not None else route_timeout + LEASE_MARGIN
 
 
+def guarded_methods(policy: IdempotencyPolicy, matched: frozenset[str] | None) -> frozenset[str]:
+    """The methods a route guards that it can receive at all: its ``idempotency.methods``
+    that its ``match.methods`` (None: every method) lets through. Empty on a route that
+    enables idempotency but matches only other methods (``[GET]``): dead config."""
+    if not policy.enabled:
+        return frozenset()
+    return policy.methods if matched is None else policy.methods & matched
+
+
+def dead_guard(policy: IdempotencyPolicy, matched: frozenset[str] | None) -> str | None:
+    """What is wrong, with the fix, when a route enables idempotency for none of the methods
+    it matches; else None. Pure."""
+    if not policy.enabled or guarded_methods(policy, matched):
+        return None
+    assert matched is not None
+    listed, guarded = ", ".join(sorted(matched)), ", ".join(sorted(policy.methods))
+    return (
+        f"idempotency is enabled on a route that matches only {listed}: none of them is a "
+        f"guarded write (idempotency.methods: {guarded}), so no "
+        "request is guarded; remove idempotency from this route (enabled: false), or add the "
+        "write methods to match.methods"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class IdempotencyStorage:
     """The top-level ``idempotency:`` section: where keys are kept."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from sidecar.config import checks as c
 from sidecar.config.dlqfile import DlqFile
+from sidecar.config.errors import ConfigIssue
 from sidecar.config.fileswitch import FileKillSwitch
 from sidecar.config.fleet import Fleet
 from sidecar.config.idempotency import IdempotencyPolicy, IdempotencyStorage
@@ -485,6 +486,9 @@ class Config:
     )
     source: str = "<memory>"
     sha256: str = ""
+    # Valid but surprising (dead config inherited from ``defaults``), each with its line and
+    # the fix: ``validate`` prints them, a load logs them; they change nothing.
+    warnings: tuple[ConfigIssue, ...] = ()
 
     def route(self, name: str) -> Route | None:
         for r in self.routes:

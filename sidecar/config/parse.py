@@ -16,7 +16,7 @@ import stat
 from dataclasses import MISSING
 from typing import Any
 
-from sidecar.config import checks, dlqfile, fleet, killswitches, schema, units
+from sidecar.config import checks, dlqfile, fleet, idempotency, killswitches, schema, units
 from sidecar.config.errors import ConfigError, ConfigIssue
 from sidecar.config.model import Config, Match, Route
 from sidecar.config.yamlnodes import (
@@ -37,6 +37,7 @@ class _Parser:
     def __init__(self, located: Located) -> None:
         self.located = located
         self.issues: list[ConfigIssue] = []
+        self.warnings: list[ConfigIssue] = []
 
     def error(self, path: Path, message: str) -> None:
         self.issues.append(ConfigIssue(self.located.line(path), path_str(path), message))
@@ -133,7 +134,13 @@ class _Parser:
         )
         if self.issues:
             return None
-        values.update(routes=tuple(routes), killswitches=switches, source=source, sha256=sha)
+        values.update(
+            routes=tuple(routes),
+            killswitches=switches,
+            source=source,
+            sha256=sha,
+            warnings=tuple(self.warnings),
+        )
         return Config(**values)
 
     def routes(self, value: object, defaults: dict[str, Any]) -> list[Route]:
@@ -163,7 +170,22 @@ class _Parser:
             values.update(self.walk(INHERITED, raw, path, defaults))
             if "name" in values and "upstreams" in values:
                 routes.append(Route(**values))
+                self.dead_guard(routes[-1], raw, path)
         return routes
+
+    def dead_guard(self, route: Route, raw: dict[str, Any], path: Path) -> None:
+        """Idempotency on a route that matches none of its guarded methods: an error where
+        the route itself enables it, a warning where it comes from ``defaults`` (enabled for
+        every route, this one only reads)."""
+        why = idempotency.dead_guard(route.idempotency, route.match.methods)
+        if why is None:
+            return
+        if "idempotency" in raw:
+            self.error((*path, "idempotency", "enabled"), why)
+        else:
+            where = (*path, "match", "methods")
+            why += " (inherited from defaults.idempotency: an error if written on the route)"
+            self.warnings.append(ConfigIssue(self.located.line(where), path_str(where), why))
 
 
 # -- entry points -------------------------------------------------------------------------------

@@ -15,17 +15,20 @@ _MAX_DIGITS = 20
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-_SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|KB|MB|GB)?\s*$")
+_SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB)?\s*$")
 _SIZE_UNITS = {
     None: 1,
     "B": 1,
     "KiB": 1024,
     "MiB": 1024**2,
     "GiB": 1024**3,
-    "KB": 1000,
-    "MB": 1000**2,
-    "GB": 1000**3,
 }
+# A unit a reader takes for either power: ``1MB`` is 1,000,000 bytes to a disk vendor (and
+# Kubernetes' ``M``), 1,048,576 to nginx (``1m``) and most people. Refused with both spellings
+# that say which, rather than silently picking one.
+_AMBIGUOUS = re.compile(r"^\s*(\d+)\s*([kmgKMG])[bB]?\s*$")
+_POWERS = {"k": 1, "m": 2, "g": 3}
+_BINARY = {"k": "KiB", "m": "MiB", "g": "GiB"}
 
 
 class UnitError(ValueError):
@@ -70,9 +73,25 @@ def parse_size(value: object) -> int:
         raise UnitError(f"expected a size like '512', '64KiB' or '1MiB', got {value!r}")
     m = _SIZE.match(value)
     if m is None:
-        raise UnitError(f"expected a size like '512', '64KiB' or '1MiB', got {value!r}")
+        raise UnitError(
+            _ambiguous(value) or f"expected a size like '512', '64KiB' or '1MiB', got {value!r}"
+        )
     digits = m.group(1).lstrip("0") or "0"
     size = int(digits) * _SIZE_UNITS[m.group(2)] if len(digits) <= _MAX_DIGITS else MAX_SIZE + 1
     if size > MAX_SIZE:
         raise UnitError(f"a size must be at most {MAX_SIZE} bytes")
     return size
+
+
+def _ambiguous(value: str) -> str | None:
+    """The fix for a size written with a unit that means 1000 to some and 1024 to others
+    (``1MB``, ``64k``, ``1mib``), or None."""
+    m = _AMBIGUOUS.match(value)
+    if m is None or len(m.group(1)) > _MAX_DIGITS:
+        return None
+    n, unit = int(m.group(1)), m.group(2).lower()
+    decimal = n * 1000 ** _POWERS[unit]
+    return (
+        f"{value.strip()!r} is ambiguous ({decimal} or {n * 1024 ** _POWERS[unit]} bytes?): "
+        f"write {n}{_BINARY[unit]} or {decimal}; sizes take B, KiB, MiB, GiB or none (bytes)"
+    )

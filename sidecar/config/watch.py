@@ -140,6 +140,8 @@ class Reloader:
             )
             for key, what in needs_restart(self._started, new):
                 log.warning("config change needs a restart to apply: %s: %s", key, what)
+            for w in new.warnings:
+                log.warning("config: %s", w.render(new.source))
         else:
             self.store.last_error = None
         self._bad_sha = None

@@ -234,3 +234,112 @@ routes:
             'version: 1\nroutes: [{name: a, upstream: "http://h:1", stream_idle_timeout: 0s}]'
         )
     )
+
+
+STANDARD_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT")
+
+
+@pytest.mark.parametrize("where", ["match: {methods: [M]}", "idempotency: {methods: [M]}"])
+@pytest.mark.parametrize("method", STANDARD_METHODS)
+def test_a_standard_method_in_lower_case_is_refused_with_the_fix(method, where):
+    """Finding 14: ``methods: [get]`` was taken. Methods are case-sensitive (RFC 9110
+    section 9.1): ``get`` is not GET. Refused, naming the line, the key and the fix."""
+    for written in (method.lower(), method.capitalize()):
+        snippet = where.replace("M", written)
+        text = f"version: 1\nroutes:\n  - name: a\n    upstream: http://h:1\n    {snippet}\n"
+        key = snippet.split(":")[0]
+        (line,) = errors_of(text)
+        assert line == (
+            f"c.yaml:5: routes[0].{key}.methods: methods are case-sensitive (RFC 9110 section "
+            f"9.1): {written!r} is not {method}; write {method}"
+        )
+    hedge = "hedge: {methods: [get]}"
+    (line,) = errors_of(
+        f"version: 1\nroutes:\n  - name: a\n    upstream: http://h:1\n    {hedge}\n"
+    )
+    assert "routes[0].hedge.methods: methods are case-sensitive" in line and "write GET" in line
+
+
+@pytest.mark.parametrize(
+    ("written", "decimal", "binary", "fix"),
+    [
+        ("1MB", 1_000_000, 1_048_576, "1MiB"),
+        ("64KB", 64_000, 65_536, "64KiB"),
+        ("2GB", 2_000_000_000, 2_147_483_648, "2GiB"),
+        ("64k", 64_000, 65_536, "64KiB"),
+        ("1M", 1_000_000, 1_048_576, "1MiB"),
+        ("1mb", 1_000_000, 1_048_576, "1MiB"),
+        ("10 Kb", 10_000, 10_240, "10KiB"),
+    ],
+)
+def test_a_size_in_decimal_or_bare_units_is_refused_with_both_spellings(
+    written, decimal, binary, fix
+):
+    """Finding 14: ``1MB`` silently meant 1,000,000 bytes, a unit the README does not list.
+    Refused: ``1MB`` is 1,000,000 to some and 1,048,576 to others (nginx's ``1m``)."""
+    text = (
+        "version: 1\nroutes:\n  - name: a\n    upstream: http://h:1\n"
+        f"    retry: {{max_body_bytes: {written}}}\n"
+    )
+    (line,) = errors_of(text)
+    assert line == (
+        f"c.yaml:5: routes[0].retry.max_body_bytes: {written!r} is ambiguous ({decimal} or "
+        f"{binary} bytes?): write {fix} or {decimal}; sizes take B, KiB, MiB, GiB or none (bytes)"
+    )
+    ok = text.replace(written, fix)
+    assert parse_text(ok).routes[0].retry.max_body_bytes == binary
+
+
+DEAD = (
+    "idempotency is enabled on a route that matches only GET, HEAD: none of them is a guarded "
+    "write (idempotency.methods: PATCH, POST), so no request is guarded; remove idempotency "
+    "from this route (enabled: false), or add the write methods to match.methods"
+)
+
+
+def test_idempotency_on_a_route_that_matches_only_reads_is_refused_or_warned(tmp_path):
+    """Finding 14: idempotency on a route that matches only GET passed ``validate`` (and
+    ``explain`` described a POST/PATCH rule for it). Written on the route: an error. From
+    ``defaults``: a warning on stderr with the line, the key and the fix; ``explain`` says it
+    guards nothing."""
+    reads = "    match: {path_prefix: /r, methods: [GET, HEAD]}\n"
+    explicit = (
+        "version: 1\nroutes:\n  - name: r\n    upstream: http://h:1\n"
+        + reads
+        + "    idempotency:\n      enabled: true\n"
+    )
+    assert errors_of(explicit) == [f"c.yaml:7: routes[0].idempotency.enabled: {DEAD}"]
+    # Any guarded method the route can receive makes it live.
+    assert parse_text(explicit.replace("[GET, HEAD]", "[GET, POST]")).warnings == ()
+    assert parse_text(explicit.replace(reads, "")).warnings == ()
+
+    inherited = tmp_path / "inherited.yaml"
+    inherited.write_text(
+        "version: 1\ndefaults:\n  idempotency: {enabled: true}\nroutes:\n"
+        "  - name: r\n    upstream: http://h:1\n"
+        + reads
+        + "  - name: w\n    upstream: http://h:1\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "sidecar", "validate", str(inherited)],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0 and res.stdout == "OK: 2 routes\n"
+    assert res.stderr == (
+        f"warning: {inherited}:7: routes[0].match.methods: {DEAD} (inherited from "
+        "defaults.idempotency: an error if written on the route)\n"
+    )
+    explained = subprocess.run(
+        [sys.executable, "-m", "sidecar", "explain", str(inherited)],
+        capture_output=True,
+        text=True,
+    )
+    assert explained.returncode == 0, explained.stderr
+    r, w = explained.stdout.split("route w")
+    idem_r = next(line for line in r.splitlines() if line.startswith("  idempotency:"))
+    assert idem_r == (
+        "  idempotency: enabled, but guards nothing: the route matches only GET, HEAD, none of "
+        "PATCH/POST (the key is forwarded)"
+    )
+    assert "  idempotency: PATCH/POST with an Idempotency-Key reach the app once" in w
