@@ -4,9 +4,11 @@ The stdlib has no inotify, so the watcher polls ``stat`` every ``interval`` (0.5
 (following symlinks) and its directory. That sees an in-place edit (mtime/size), an atomic rename
 (inode, directory mtime) and the Kubernetes ConfigMap swap of the ``..data`` symlink (the
 resolved path and the directory). As a safety net the content hash is compared every
-``hash_every`` seconds whatever stat says. New bytes are loaded once they have stayed the same
-for one more poll, so a file rewritten in place in several writes is never loaded half-written
-(SIGHUP and POST /config/reload read the file at once, as asked). A reload validates the whole
+``hash_every`` seconds whatever stat says. New bytes are loaded once they (and the file's stat)
+have stayed the same: for ``SETTLE`` (2 s) when the file was rewritten in place, so a writer
+pausing less than that between two writes is never loaded half-written; for one more poll when
+a rename or symlink swap put a new file there, whole when it appears (SIGHUP and POST
+/config/reload read the file at once, as asked). A reload validates the whole
 file first; an invalid file changes nothing that serves traffic.
 """
 
@@ -65,6 +67,48 @@ def needs_restart(old: Config, new: Config) -> list[tuple[str, str]]:
             shown = f"{before} -> {after}" if key != "upstream_pool" else "changed"
             out.append((key, shown))
     return out
+
+
+# How long bytes rewritten in place (the same file, ``cat > f``, ``echo >> f``, a script's
+# writes) must stay the same, stat included, before the watcher loads them: a writer that pauses
+# between two writes for less than this is never loaded half-written. No window covers every
+# pause; a file replaced by a rename (``mv``, ``sed -i``, most editors, the ConfigMap
+# ``..data`` swap) is whole the moment it appears, and is loaded after one poll.
+SETTLE = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """New bytes the watcher saw, not loaded yet: their hash, the file's stat with them, and
+    since when (monotonic) both have stayed the same."""
+
+    sha: str
+    stat: tuple[object, ...]
+    since: float
+
+
+def settle_step(
+    pending: Pending | None,
+    sha: str,
+    stat: tuple[object, ...],
+    now: float,
+    wait: float,
+) -> tuple[Pending, bool]:
+    """One poll's verdict on new bytes: what is pending after it, and whether to load them
+    now (they and the stat have stayed the same for ``wait`` seconds). Pure: the clock is
+    passed in. Any change of the bytes or the stat starts the wait again."""
+    if pending is None or pending.sha != sha or pending.stat != stat:
+        return Pending(sha, stat, now), False
+    return pending, now - pending.since >= wait
+
+
+def settle_wait(loaded: tuple[object, ...], stat: tuple[object, ...], settle: float) -> float:
+    """How long new bytes must stay the same: ``settle`` for the file last loaded rewritten
+    in place (its inode and resolved path unchanged); nothing beyond the next poll's look
+    for a file put there by a rename or a symlink swap, whole when it appears. ``loaded``
+    and ``stat`` are fingerprints (inode first, resolved path last)."""
+    replaced = (loaded[0], loaded[-1]) != (stat[0], stat[-1])
+    return 0.0 if replaced else settle
 
 
 def _read(path: str) -> bytes | OSError:
@@ -181,21 +225,25 @@ class Reloader:
             dst = 0
         return (*fst, dst, os.path.realpath(self.path))
 
-    async def watch(self, interval: float = 0.5, hash_every: float = 5.0) -> None:
-        """Run until cancelled: reload when the file or its directory changes, once the file's
-        bytes have stayed the same for one more poll. An edit written in several steps (an
-        editor or a script rewriting the file in place) is not loaded half-written: the half
-        is seen, and replaced by the whole before it has stood for a poll."""
+    async def watch(
+        self, interval: float = 0.5, hash_every: float = 5.0, settle: float = SETTLE
+    ) -> None:
+        """Run until cancelled: reload when the file or its directory changes, once the new
+        bytes and the file's stat have stayed the same long enough (``settle_wait``): ``settle``
+        seconds for a file rewritten in place, one poll for one replaced by a rename. A writer
+        pausing less than ``settle`` between two in-place writes is not loaded half-written;
+        one pausing longer can be (README "Hot reload": write elsewhere and rename)."""
         last = self._fingerprint()
+        loaded = last  # the file whose bytes serve: in place or replaced is judged against it
         # The first round always compares hashes: the file may have changed between the load
         # and this task's first run.
         last_hash_check = float("-inf")
-        settling: str | None = None  # the hash of new bytes seen at the last poll
+        pending: Pending | None = None
         while True:
             await asyncio.sleep(interval)
             fp = self._fingerprint()
             due = time.monotonic() - last_hash_check >= hash_every
-            if fp == last and not due and settling is None:
+            if fp == last and not due and pending is None:
                 continue
             last = fp
             last_hash_check = time.monotonic()
@@ -204,17 +252,24 @@ class Reloader:
             # and POST /config/reload or SIGHUP says what is wrong.
             sha = hashlib.sha256(raw).hexdigest() if isinstance(raw, bytes) else None
             if sha is None or sha == self.store.current.sha256 or sha == self._bad_sha:
-                settling = None
+                pending = None
+                if sha is not None:
+                    loaded = fp
                 continue
-            if sha != settling:
-                log.info(
-                    "config file changed (%s); loading it once it stays the same for %.1fs",
-                    sha[:12],
-                    interval,
-                )
-                settling = sha
+            fp = self._fingerprint()  # the stat that goes with the bytes just read
+            wait = settle_wait(loaded, fp, settle)
+            before = pending
+            pending, ready = settle_step(pending, sha, fp, time.monotonic(), wait)
+            if not ready:
+                if pending is not before:  # new bytes or a new stat: the wait starts
+                    log.info(
+                        "config file changed (%s); loading it once it stays the same for %.1fs",
+                        sha[:12],
+                        max(wait, interval),
+                    )
                 continue
-            settling = None
+            pending = None
+            loaded = fp
             assert isinstance(raw, bytes)
             try:
                 await self.reload("file-watch", raw)
