@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -203,7 +203,7 @@ async def test_a_rename_based_rewrite_never_shows_a_half_state(
 IN_PLACE = (7, 100, 10, 100, 1, "/etc/sidecar.yaml")  # inode ... resolved path
 
 
-def _polls(events: list[tuple[float, str, tuple[object, ...]]], wait: float) -> list[float]:
+def _polls(events: Sequence[tuple[float, str, tuple[object, ...]]], wait: float) -> list[float]:
     """The times at which the watcher would load, polling at each event's time."""
     pending: Pending | None = None
     loads = []
