@@ -153,7 +153,7 @@ def test_an_inherited_min_concurrent_is_clamped_to_a_smaller_max():
 
 
 def test_a_route_turns_hedging_on_and_lists_what_it_hedges():
-    r = parse_text(MINIMAL + "    hedge: {enabled: true, methods: [get, PUT, DELETE]}\n").routes[0]
+    r = parse_text(MINIMAL + "    hedge: {enabled: true, methods: [GET, PUT, DELETE]}\n").routes[0]
     assert r.hedge.enabled and r.hedge.methods == {"GET", "PUT", "DELETE"}
     # Listing methods alone does not turn it on: the opt-in is ``enabled``.
     r = parse_text(MINIMAL + "    hedge: {methods: [GET, PUT]}\n").routes[0]
