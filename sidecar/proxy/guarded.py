@@ -144,6 +144,7 @@ async def run_guarded(ctx: RequestContext, intake: Intake) -> web.StreamResponse
         tuple(ctx.headers),
         body or b"",
         route.timeout,
+        received=tuple(ctx.request.raw_headers),  # the scope: read before anything is stripped
     )
     held = HeldAnswer(route.idempotency.max_response_bytes)
     sent: list[web.StreamResponse] = []
