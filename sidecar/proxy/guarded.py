@@ -23,7 +23,7 @@ from aiohttp import web
 
 from sidecar import outcomes
 from sidecar.core import Fate
-from sidecar.idempotency.answer import Answer, Forwarded
+from sidecar.idempotency.answer import Answer, Forwarded, not_begun
 from sidecar.idempotency.guard import GuardResult, RequestView, body_too_large, guarded
 from sidecar.idempotency.store import NOT_OPEN
 from sidecar.proxy.context import RequestContext
@@ -91,10 +91,11 @@ def _headers(resp: web.StreamResponse) -> tuple[tuple[bytes, bytes], ...]:
 
 def forwarded(ctx: RequestContext, held: HeldAnswer, resp: web.StreamResponse) -> Forwarded:
     """What the guard judges of the sequence's answer. The route would retry it (so the key is
-    released): a status in ``retry_on``, an answer a sidecar made itself (a connect failure, a
-    reset, a timeout, an open breaker; an inner sidecar's too). An answer whose body broke after
-    its head came is the app's answer all the same: only its status is kept. A write
-    the DLQ stored is not released: its key is finished with the answer the client got (202 or
+    released): a status in ``retry_on``, an answer that says the app did not begin the write
+    (``answer.not_begun``: 408, 425, 429, an error with ``Retry-After``), an answer a sidecar
+    made itself (a connect failure, a reset, a timeout, an open breaker; an inner sidecar's
+    too). An answer whose body broke after its head came is the app's answer all the same:
+    only its status is kept. A write the DLQ stored is not released: its key is finished with the answer the client got (202 or
     the failure with ``x-retry-dlq: stored``), so no duplicate runs it beside the DLQ's replay."""
     if held.resp is None and not held.streamed and not held.broken:
         # The sidecar's own answer (no upstream response, the DLQ's 202).
@@ -123,6 +124,8 @@ def _app_answer(
     captured = held.captured
     stored = captured is not None and captured.record_id is not None
     retryable = held.made_by_sidecar or status in ctx.route.retry.retry_on.statuses
+    # 408, 425, 429 and an error with Retry-After: the app did not begin the write.
+    retryable = retryable or not_begun(status, held.headers)
     # The DLQ's headers are the sidecar's own end-to-end ones: part of the answer the client
     # got, so kept with it (a duplicate is told the write was stored, and under which id).
     headers = tuple(held.headers)

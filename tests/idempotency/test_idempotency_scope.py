@@ -8,7 +8,6 @@ on both backends."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from aiohttp import web
 
 from tests.idempotency.test_idempotency_process import proc_stack as proc_stack
 from tests.idempotency.test_idempotency_process import start
+from tests.proc import SidecarProcess
 from tests.rawhttp import raw_request
 from tests.webserver import serve
 
@@ -108,7 +108,7 @@ async def split_request(port: int, data: bytes, rng: random.Random) -> bytes:
 
 
 async def test_a_client_with_another_scope_never_gets_anothers_answer(
-    session_app: SessionApp, tmp_path: Path, proc_stack: list
+    session_app: SessionApp, tmp_path: Path, proc_stack: list[SidecarProcess]
 ) -> None:
     """Client A writes with its credential; client B (another credential, or none) repeats A's
     key and body: B's write runs (its own answer, its own cookie), never A's replayed. A's own
