@@ -95,8 +95,9 @@ def forwarded(ctx: RequestContext, held: HeldAnswer, resp: web.StreamResponse) -
     (``answer.not_begun``: 408, 425, 429, an error with ``Retry-After``), an answer a sidecar
     made itself (a connect failure, a reset, a timeout, an open breaker; an inner sidecar's
     too). An answer whose body broke after its head came is the app's answer all the same:
-    only its status is kept. A write the DLQ stored is not released: its key is finished with the answer the client got (202 or
-    the failure with ``x-retry-dlq: stored``), so no duplicate runs it beside the DLQ's replay."""
+    only its status is kept. A write the DLQ stored is not released: its key is finished with
+    the answer the client got (202 or the failure with ``x-retry-dlq: stored``), so no
+    duplicate runs it beside the DLQ's replay."""
     if held.resp is None and not held.streamed and not held.broken:
         # The sidecar's own answer (no upstream response, the DLQ's 202).
         own = resp.body if isinstance(resp, web.Response) else None
