@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import secrets
 from collections.abc import Awaitable, Callable, Mapping
@@ -53,6 +52,8 @@ from sidecar.idempotency.store import (
     KeyRecord,
     Mismatch,
     StoreError,
+    headers_text,
+    read_answer,
 )
 
 if TYPE_CHECKING:
@@ -165,24 +166,26 @@ def _state(fields: Fields) -> KeyState | None:
 
 
 def _record(key: str, fields: Fields) -> KeyRecord:
-    finished = _text(fields, "finished") == "1"
-    answer = None
-    if finished:
-        headers = tuple(
-            (k.encode("latin-1"), v.encode("latin-1"))
-            for k, v in json.loads(_text(fields, "headers") or "[]")
+    """A key's hash as a record; one that does not fit (damaged, tampered with) is a
+    ``StoreError``, its kept answer checked by ``read_answer`` before it may be replayed."""
+    try:
+        finished = _raw(fields, "finished") == b"1"
+        answer = None
+        if finished:
+            body = _raw(fields, "body") if _raw(fields, "kept") == b"1" else None
+            size_raw = _raw(fields, "size")
+            size = int(size_raw) if size_raw.isdigit() else (None if not size_raw else -1)
+            answer = read_answer(_raw(fields, "status"), _raw(fields, "headers"), body, size)
+        return KeyRecord(
+            key,
+            finished,
+            _text(fields, "fingerprint"),
+            float(_text(fields, "created_at")),
+            float(_text(fields, "expires_at")),
+            answer,
         )
-        body = _raw(fields, "body") if _text(fields, "kept") == "1" else None
-        size = int(_text(fields, "size")) if _text(fields, "size") else None
-        answer = KeptAnswer(int(_text(fields, "status")), headers, body, size)
-    return KeyRecord(
-        key,
-        finished,
-        _text(fields, "fingerprint"),
-        float(_text(fields, "created_at")),
-        float(_text(fields, "expires_at")),
-        answer,
-    )
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise StoreError(f"damaged idempotency record: {exc}") from None
 
 
 class RedisIdempotencyStore:
@@ -268,12 +271,11 @@ class RedisIdempotencyStore:
                 await asyncio.sleep(self._link.timeout)
 
     async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> bool:
-        pairs = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in answer.headers]
         args: list[bytes | str] = [
             token,
             repr(float(ttl)),
             str(answer.status),
-            json.dumps(pairs),
+            headers_text(answer.headers),
             answer.body if answer.body is not None else b"",
             "1" if answer.body is not None else "0",
             "" if answer.size is None else str(answer.size),

@@ -36,6 +36,8 @@ from sidecar.proxy.run import run_sequence
 # write's earlier success, a problem (400, 409, 413, 422, 503) refuses it before the app.
 REPLAYED_FATE = Fate.SUCCESS
 REFUSED_FATE = Fate.NOT_RETRYABLE
+# The fields every answer the sidecar makes itself carries (``_made``), lowercased.
+OWN_FIELDS = frozenset({b"date", b"proxy-status"})
 
 
 def guards(ctx: RequestContext) -> bool:
@@ -57,7 +59,8 @@ def too_large(ctx: RequestContext) -> web.StreamResponse:
 def _made(ctx: RequestContext, answer: Answer, *, replayed: bool) -> ProxyResponse:
     """The sidecar's own answer, a problem or a replay (a kept answer's headers are end-to-end
     only: framed anew; a 1xx, 204 or 304 carries no Content-Length, RFC 9110 8.6), with a
-    ``Date`` and ``Proxy-Status`` as every answer the sidecar makes itself: a replay names the
+    ``Date`` and ``Proxy-Status`` (in place of any kept) as every answer the sidecar makes
+    itself: a replay names the
     sidecar (no error), a problem the refusal's RFC 9209 error type (a store that cannot answer
     is the sidecar's own fault)."""
     status = answer.status
@@ -75,7 +78,10 @@ def _made(ctx: RequestContext, answer: Answer, *, replayed: bool) -> ProxyRespon
         (b"Date", formatdate(ctx.deps.clock.wall(), usegmt=True).encode("ascii")),
         (b"Proxy-Status", proxy_status(error).encode("ascii")),
     ]
-    return ProxyResponse(status, [*answer.headers, *framing], own, length)
+    # The sidecar's own fields replace the kept ones (a replay's Date, a replayed DLQ 202's
+    # Proxy-Status): one of each, never two (Date is a singleton field, RFC 9110 6.6.1).
+    kept = [(k, v) for k, v in answer.headers if k.lower() not in OWN_FIELDS]
+    return ProxyResponse(status, [*kept, *framing], own, length)
 
 
 def _send(
