@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import re
 import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -42,9 +43,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sidecar.core import Clock
 from sidecar.fleet.connection import FleetLink, FleetUnavailable
 from sidecar.idempotency.decision import Decision, KeyState, decide
+from sidecar.idempotency.fingerprint import NO_SCOPE, stored_key
 from sidecar.idempotency.keep import KeptAnswer
 from sidecar.idempotency.store import (
     ABANDONED_KEEP,
+    HOLDERS_MAX,
     Busy,
     Claimed,
     ClaimResult,
@@ -60,6 +63,8 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
 
 T = TypeVar("T")
+SCAN_COUNT = 1000  # keys a SCAN round looks at (``holders``)
+SCOPE_DIGEST = re.compile(r"[0-9a-f]{64}\Z")
 ROUNDS = 50  # rounds of one claim (each lost to another writer) before it is a store error
 
 # The server's clock, in seconds (``TIME``: seconds and microseconds), as a string of the
@@ -131,6 +136,11 @@ end
 return 0
 """
 )
+
+
+def _glob(text: str) -> str:
+    """``text`` matched literally in a Redis glob pattern (``SCAN MATCH``)."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 def _ms(seconds: float) -> int:
@@ -305,6 +315,29 @@ class RedisIdempotencyStore:
         name = self._name(key)
         deleted: int = await self._call(lambda c: c.delete(name))
         return deleted == 1
+
+    async def holders(self, key: str) -> list[str]:
+        """The unscoped name read directly; the scoped ones (a 64-hex digest, a space, the key)
+        found with ``SCAN MATCH``, one bounded call per round of ``SCAN_COUNT``."""
+        found: list[str] = []
+        if await self._call(lambda c: c.exists(self._name(stored_key(key, NO_SCOPE)))):
+            found.append(stored_key(key, NO_SCOPE))
+        pattern = _glob(self._prefix) + "?" * 64 + " " + _glob(key)
+        start = len(self._prefix)
+        cursor: int = 0
+
+        def scan(at: int) -> Callable[[Redis], Awaitable[tuple[int, list[bytes | str]]]]:
+            return lambda c: c.scan(cursor=at, match=pattern, count=SCAN_COUNT)
+
+        while True:
+            cursor, names = await self._call(scan(cursor))
+            for name in names:
+                stored = (name.decode("latin-1") if isinstance(name, bytes) else name)[start:]
+                scope = stored.split(" ", 1)[0]
+                if SCOPE_DIGEST.match(scope) and stored not in found:
+                    found.append(stored)
+            if cursor == 0 or len(found) >= HOLDERS_MAX:
+                return sorted(found)[:HOLDERS_MAX]
 
     async def prune(self, limit: int) -> int:
         return 0  # Redis expires keys by itself (PEXPIRE)

@@ -40,6 +40,7 @@ from sidecar.idempotency.decision import Decision, KeyState, decide
 from sidecar.idempotency.keep import KeptAnswer
 from sidecar.idempotency.store import (
     ABANDONED_KEEP,
+    HOLDERS_MAX,
     Busy,
     Claimed,
     ClaimResult,
@@ -324,6 +325,21 @@ class SqliteIdempotencyStore:
             return conn.execute("DELETE FROM idempotency_keys WHERE key = ?", (key,)).rowcount == 1
 
         return self._write(op)
+
+    async def holders(self, key: str) -> list[str]:
+        try:
+            rows = (
+                self._conn_or_error()
+                .execute(
+                    f"SELECT key FROM idempotency_keys WHERE {schema.BARE_KEY} = ? "
+                    "ORDER BY key LIMIT ?",
+                    (key, HOLDERS_MAX),
+                )
+                .fetchall()
+            )
+        except sqlite3.Error as exc:
+            raise StoreError(f"idempotency storage failed: {exc}") from None
+        return [str(row[0]) for row in rows]
 
     async def prune(self, limit: int) -> int:
         now, keep = self._clock.wall(), self._abandoned_keep

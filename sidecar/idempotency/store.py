@@ -27,6 +27,8 @@ a hash or a packed value: state, fingerprint, token, expiry, answer):
   ours and the key is held, ``PEXPIRE key <lease + abandoned keep>`` and write the new lease end
   into the value; else nothing (returns whether it renewed).
 - ``get`` / ``forget``: ``GET`` / ``DEL``; ``prune``: nothing to do (``PX`` expires keys).
+- ``holders``: the unscoped name read directly, the scoped ones found with ``SCAN MATCH
+  <prefix>idem:<64 any> <key>`` (an admin call, never on the request path).
 - time: the server's clock (``TIME``, inside the claim, complete and renew scripts), so
   replicas need not agree on theirs.
 """
@@ -42,6 +44,7 @@ from sidecar.idempotency.answer import NOT_KEPT_HEADERS, Headers
 from sidecar.idempotency.keep import KeptAnswer
 
 ABANDONED_KEEP = 24 * 3600.0  # seconds an abandoned claim is kept past its lease (counted)
+HOLDERS_MAX = 100  # the scopes listed for one key (``holders``)
 
 
 class StoreError(Exception):
@@ -158,6 +161,12 @@ class IdempotencyStore(Protocol):
 
     async def forget(self, key: str) -> bool: ...
 
+    async def holders(self, key: str) -> list[str]:
+        """The stored keys (``fingerprint.stored_key``: one per scope) that hold the client's
+        ``key``, in any state, at most ``HOLDERS_MAX``: how a support engineer finds a scoped
+        key by the key alone."""
+        ...
+
     async def prune(self, limit: int) -> int:
         """Delete at most ``limit`` expired keys; the number deleted."""
         ...
@@ -183,6 +192,9 @@ class StoreNotOpen:
         raise StoreError("the idempotency store is not open")
 
     async def forget(self, key: str) -> bool:
+        raise StoreError("the idempotency store is not open")
+
+    async def holders(self, key: str) -> list[str]:
         raise StoreError("the idempotency store is not open")
 
     async def prune(self, limit: int) -> int:

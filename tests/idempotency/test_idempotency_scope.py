@@ -8,18 +8,24 @@ on both backends."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import AsyncIterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 
+from tests.dlq.test_dlq_cli import cli
 from tests.idempotency.test_idempotency_process import proc_stack as proc_stack
 from tests.idempotency.test_idempotency_process import start
 from tests.proc import SidecarProcess
 from tests.rawhttp import raw_request
+from tests.redisserver import running
 from tests.webserver import serve
 
 pytestmark = pytest.mark.slow
@@ -134,3 +140,62 @@ async def test_a_client_with_another_scope_never_gets_anothers_answer(
         again = await raw_request(port, write(path, key, a))
         assert b"Idempotent-Replayed: true" in again and secret in again, (name, again)
     assert len(session_app.runs) == 2 * len(SCOPES)
+
+
+async def admin_get(admin: int, method: str, path: str) -> tuple[int, dict[str, Any]]:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.request(method, f"http://127.0.0.1:{admin}{path}") as r,
+    ):
+        return r.status, await r.json()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "redis"])
+async def test_a_scoped_key_is_found_and_forgotten_by_the_key_alone(
+    session_app: SessionApp, tmp_path: Path, proc_stack: list[SidecarProcess], backend: str
+) -> None:
+    """On a route with ``scope_header``, the admin API and ``retry-sidecar idempotency
+    show|forget`` find a key by the key alone: every scope holding it listed by a label (never
+    the credential), one scope shown at the top level; a forget of a key two scopes hold asks
+    which; ``--scope LABEL`` names one."""
+    with ExitStack() as stack:
+        if backend == "sqlite":
+            store = f'idempotency: {{path: "{tmp_path}/keys.sqlite3"}}\n'
+        else:
+            server = stack.enter_context(running(tmp_path / "redis"))
+            store = f'idempotency: {{backend: redis}}\nfleet: {{redis: {{url: "{server.url}"}}}}\n'
+        body = (
+            f"{store}routes:\n  - name: pay\n"
+            f'    upstream: "http://127.0.0.1:{session_app.port}"\n'
+            "    idempotency: {enabled: true, scope_header: Authorization}\n"
+        )
+        port, admin = await start(proc_stack, tmp_path, body)
+        cfg = str(tmp_path / "sidecar.yaml")
+        alice, bob = (
+            b"Authorization: Bearer alice-secret\r\n",
+            b"Authorization: Bearer bob-secret\r\n",
+        )
+        for who, key in ((alice, b"solo"), (alice, b"ord-1"), (bob, b"ord-1")):
+            assert (await raw_request(port, write("/pay", key, who))).startswith(b"HTTP/1.1 201")
+
+        status, solo = await admin_get(admin, "GET", "/idempotency/solo")
+        assert status == 200 and solo["state"] == "finished", solo
+        (one,) = solo["scopes"]
+        assert one["scope"] == solo["scope"] and len(str(solo["scope"])) == 12
+        out = await cli("idempotency", "show", "ord-1", "--config", cfg)
+        assert out.returncode == 0, out.stderr
+        both = json.loads(out.stdout)
+        labels = sorted(s["scope"] for s in both["scopes"])
+        assert both["key"] == "ord-1" and len(set(labels)) == 2 and "state" not in both
+        assert "alice" not in out.stdout and "bob" not in out.stdout  # not the credentials
+        out = await cli("idempotency", "forget", "ord-1", "--config", cfg)
+        assert out.returncode == 1 and "held in 2 scopes" in out.stderr, out.stderr
+        assert "never seen" not in out.stderr
+        out = await cli("idempotency", "forget", "ord-1", "--scope", labels[0], "--config", cfg)
+        assert out.returncode == 0 and json.loads(out.stdout)["scope"] == labels[0], out.stderr
+        status, left = await admin_get(admin, "GET", "/idempotency/ord-1")
+        assert status == 200 and [s["scope"] for s in left["scopes"]] == [labels[1]]
+        out = await cli("idempotency", "forget", "solo", "--config", cfg)
+        assert out.returncode == 0, out.stderr
+        out = await cli("idempotency", "show", "solo", "--config", cfg)
+        assert out.returncode == 1 and "404" in out.stderr and "in any scope" in out.stderr
