@@ -344,7 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     for verb, what in (("show", "what is kept under a key"), ("forget", "forget a key")):
         iv = isub.add_parser(verb, parents=[common, admin_common], help=what)
         iv.add_argument("key")
-        iv.add_argument("--scope", help="the key's scope digest (routes with scope_header)")
+        iv.add_argument(
+            "--scope",
+            help="one scope of the key (routes with scope_header): the label show lists, or -",
+        )
     idem.set_defaults(func=cmd_idempotency)
 
     st = sub.add_parser(

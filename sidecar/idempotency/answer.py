@@ -3,6 +3,7 @@ itself or replays (``Answer``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 Headers = tuple[tuple[bytes, bytes], ...]
@@ -44,6 +45,23 @@ class Forwarded:
     # The route would retry this: a status in ``retry_on``, a connect failure, a reset, a
     # timeout, or an answer the sidecar made itself. Such an answer releases the key.
     retryable: bool
+
+
+# Answers that say the app did not begin the write: too early (425, RFC 8470), the request
+# timed out before it was read (408), too many requests (429, RFC 6585). They release the key
+# as a status in ``retry_on`` does, so the client's retry runs (as payment providers keep only
+# answers of requests they began to execute); so does an error that asks the client to come
+# back (``Retry-After`` on a 4xx or 5xx). A 2xx or 3xx with ``Retry-After`` (a 202 to poll)
+# says the app acted: kept.
+NOT_BEGUN_STATUSES = frozenset({408, 425, 429})
+RETRY_AFTER = b"retry-after"
+
+
+def not_begun(status: int, headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    """The app's answer says it did not begin the write: the key is released. Pure."""
+    if status in NOT_BEGUN_STATUSES:
+        return True
+    return status >= 400 and any(k.lower() == RETRY_AFTER for k, _ in headers)
 
 
 def kept_headers(headers: Headers) -> Headers:

@@ -66,6 +66,10 @@ class RequestView:
     headers: Headers  # as they go upstream: hop-by-hop ones (and those Connection names) out
     body: bytes  # whole: a guarded write's body is buffered so it can be fingerprinted
     route_timeout: float  # the route's ``timeout``: the lease when the policy sets none
+    # The client's headers as received, before anything was stripped (hop-by-hop fields, those
+    # ``Connection`` names, ``Proxy-*``): the scope is read from them, so a credential the
+    # sidecar does not send upstream still tells two clients apart. None: ``headers``.
+    received: Headers | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +149,8 @@ async def guarded(
             return GuardResult(problem.missing_key(), O.MISSING)
         return GuardResult(await forward(), O.MISSING)
     key = parsed.value
-    scope = scope_digest(request.headers, policy.scope_header)
+    received = request.headers if request.received is None else request.received
+    scope = scope_digest(received, policy.scope_header)
     fp = fingerprint(request.method, request.target, request.body, scope)
     skey = stored_key(key, scope)
     lease = policy.lease_for(request.route_timeout)

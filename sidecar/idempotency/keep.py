@@ -54,4 +54,8 @@ def replay(key: str, answer: KeptAnswer) -> Answer:
     if answer.body is None:
         made = problem.answer_not_kept(key, answer.status)
         return Answer(made.status, (*made.headers, REPLAYED_HEADER), made.body)
-    return Answer(answer.status, (*answer.headers, REPLAYED_HEADER), answer.body)
+    # One Idempotent-Replayed: a kept answer that was itself a replay (an inner sidecar's)
+    # does not carry a second.
+    name = REPLAYED_HEADER[0].lower()
+    headers = tuple((k, v) for k, v in answer.headers if k.lower() != name)
+    return Answer(answer.status, (*headers, REPLAYED_HEADER), answer.body)

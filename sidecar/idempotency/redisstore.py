@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
+import re
 import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -43,9 +43,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sidecar.core import Clock
 from sidecar.fleet.connection import FleetLink, FleetUnavailable
 from sidecar.idempotency.decision import Decision, KeyState, decide
+from sidecar.idempotency.fingerprint import NO_SCOPE, stored_key
 from sidecar.idempotency.keep import KeptAnswer
 from sidecar.idempotency.store import (
     ABANDONED_KEEP,
+    HOLDERS_MAX,
     Busy,
     Claimed,
     ClaimResult,
@@ -53,12 +55,16 @@ from sidecar.idempotency.store import (
     KeyRecord,
     Mismatch,
     StoreError,
+    headers_text,
+    read_answer,
 )
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
 T = TypeVar("T")
+SCAN_COUNT = 1000  # keys a SCAN round looks at (``holders``)
+SCOPE_DIGEST = re.compile(r"[0-9a-f]{64}\Z")
 ROUNDS = 50  # rounds of one claim (each lost to another writer) before it is a store error
 
 # The server's clock, in seconds (``TIME``: seconds and microseconds), as a string of the
@@ -132,6 +138,11 @@ return 0
 )
 
 
+def _glob(text: str) -> str:
+    """``text`` matched literally in a Redis glob pattern (``SCAN MATCH``)."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
 def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
 
@@ -165,24 +176,26 @@ def _state(fields: Fields) -> KeyState | None:
 
 
 def _record(key: str, fields: Fields) -> KeyRecord:
-    finished = _text(fields, "finished") == "1"
-    answer = None
-    if finished:
-        headers = tuple(
-            (k.encode("latin-1"), v.encode("latin-1"))
-            for k, v in json.loads(_text(fields, "headers") or "[]")
+    """A key's hash as a record; one that does not fit (damaged, tampered with) is a
+    ``StoreError``, its kept answer checked by ``read_answer`` before it may be replayed."""
+    try:
+        finished = _raw(fields, "finished") == b"1"
+        answer = None
+        if finished:
+            body = _raw(fields, "body") if _raw(fields, "kept") == b"1" else None
+            size_raw = _raw(fields, "size")
+            size = int(size_raw) if size_raw.isdigit() else (None if not size_raw else -1)
+            answer = read_answer(_raw(fields, "status"), _raw(fields, "headers"), body, size)
+        return KeyRecord(
+            key,
+            finished,
+            _text(fields, "fingerprint"),
+            float(_text(fields, "created_at")),
+            float(_text(fields, "expires_at")),
+            answer,
         )
-        body = _raw(fields, "body") if _text(fields, "kept") == "1" else None
-        size = int(_text(fields, "size")) if _text(fields, "size") else None
-        answer = KeptAnswer(int(_text(fields, "status")), headers, body, size)
-    return KeyRecord(
-        key,
-        finished,
-        _text(fields, "fingerprint"),
-        float(_text(fields, "created_at")),
-        float(_text(fields, "expires_at")),
-        answer,
-    )
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise StoreError(f"damaged idempotency record: {exc}") from None
 
 
 class RedisIdempotencyStore:
@@ -268,12 +281,11 @@ class RedisIdempotencyStore:
                 await asyncio.sleep(self._link.timeout)
 
     async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> bool:
-        pairs = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in answer.headers]
         args: list[bytes | str] = [
             token,
             repr(float(ttl)),
             str(answer.status),
-            json.dumps(pairs),
+            headers_text(answer.headers),
             answer.body if answer.body is not None else b"",
             "1" if answer.body is not None else "0",
             "" if answer.size is None else str(answer.size),
@@ -303,6 +315,29 @@ class RedisIdempotencyStore:
         name = self._name(key)
         deleted: int = await self._call(lambda c: c.delete(name))
         return deleted == 1
+
+    async def holders(self, key: str) -> list[str]:
+        """The unscoped name read directly; the scoped ones (a 64-hex digest, a space, the key)
+        found with ``SCAN MATCH``, one bounded call per round of ``SCAN_COUNT``."""
+        found: list[str] = []
+        if await self._call(lambda c: c.exists(self._name(stored_key(key, NO_SCOPE)))):
+            found.append(stored_key(key, NO_SCOPE))
+        pattern = _glob(self._prefix) + "?" * 64 + " " + _glob(key)
+        start = len(self._prefix)
+        cursor: int = 0
+
+        def scan(at: int) -> Callable[[Redis], Awaitable[tuple[int, list[bytes | str]]]]:
+            return lambda c: c.scan(cursor=at, match=pattern, count=SCAN_COUNT)
+
+        while True:
+            cursor, names = await self._call(scan(cursor))
+            for name in names:
+                stored = (name.decode("latin-1") if isinstance(name, bytes) else name)[start:]
+                scope = stored.split(" ", 1)[0]
+                if SCOPE_DIGEST.match(scope) and stored not in found:
+                    found.append(stored)
+            if cursor == 0 or len(found) >= HOLDERS_MAX:
+                return sorted(found)[:HOLDERS_MAX]
 
     async def prune(self, limit: int) -> int:
         return 0  # Redis expires keys by itself (PEXPIRE)

@@ -26,7 +26,6 @@ connection and ``now``: the store runs them, and a test runs them in a process i
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -41,6 +40,7 @@ from sidecar.idempotency.decision import Decision, KeyState, decide
 from sidecar.idempotency.keep import KeptAnswer
 from sidecar.idempotency.store import (
     ABANDONED_KEEP,
+    HOLDERS_MAX,
     Busy,
     Claimed,
     ClaimResult,
@@ -48,6 +48,8 @@ from sidecar.idempotency.store import (
     KeyRecord,
     Mismatch,
     StoreError,
+    headers_text,
+    read_answer,
 )
 
 log = logging.getLogger("sidecar.idempotency")
@@ -58,18 +60,11 @@ T = TypeVar("T")
 COLUMNS = "key, finished, fingerprint, token, created_at, expires_at, status, headers, body, size"
 
 
-def _headers_json(headers: tuple[tuple[bytes, bytes], ...]) -> str:
-    return json.dumps([[k.decode("latin-1"), v.decode("latin-1")] for k, v in headers])
-
-
 def _record(row: tuple[Any, ...]) -> KeyRecord:
     key, finished, fp, _token, created, expires, status, headers, body, size = row
     answer = None
-    if finished:
-        pairs = tuple(
-            (k.encode("latin-1"), v.encode("latin-1")) for k, v in json.loads(headers or "[]")
-        )
-        answer = KeptAnswer(int(status), pairs, None if body is None else bytes(body), size)
+    if finished:  # checked: a damaged one is a StoreError, never replayed
+        answer = read_answer(status, headers, body, size)
     return KeyRecord(key, bool(finished), fp, created, expires, answer)
 
 
@@ -112,7 +107,7 @@ def complete_tx(
             now,
             now + ttl,
             answer.status,
-            _headers_json(answer.headers),
+            headers_text(answer.headers),
             answer.body,
             answer.size,
             key,
@@ -174,6 +169,8 @@ def _transaction(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]
     except BaseException as exc:
         with contextlib.suppress(sqlite3.Error):
             conn.execute("ROLLBACK")
+        if isinstance(exc, StoreError):  # a damaged record read back
+            raise
         if isinstance(exc, (sqlite3.Error, OSError)):
             raise StoreError(f"idempotency storage failed: {exc}") from None
         if isinstance(exc, Exception):  # a bug in the operation: logged, a store error
@@ -328,6 +325,21 @@ class SqliteIdempotencyStore:
             return conn.execute("DELETE FROM idempotency_keys WHERE key = ?", (key,)).rowcount == 1
 
         return self._write(op)
+
+    async def holders(self, key: str) -> list[str]:
+        try:
+            rows = (
+                self._conn_or_error()
+                .execute(
+                    f"SELECT key FROM idempotency_keys WHERE {schema.BARE_KEY} = ? "
+                    "ORDER BY key LIMIT ?",
+                    (key, HOLDERS_MAX),
+                )
+                .fetchall()
+            )
+        except sqlite3.Error as exc:
+            raise StoreError(f"idempotency storage failed: {exc}") from None
+        return [str(row[0]) for row in rows]
 
     async def prune(self, limit: int) -> int:
         now, keep = self._clock.wall(), self._abandoned_keep

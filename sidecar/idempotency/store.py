@@ -27,22 +27,82 @@ a hash or a packed value: state, fingerprint, token, expiry, answer):
   ours and the key is held, ``PEXPIRE key <lease + abandoned keep>`` and write the new lease end
   into the value; else nothing (returns whether it renewed).
 - ``get`` / ``forget``: ``GET`` / ``DEL``; ``prune``: nothing to do (``PX`` expires keys).
+- ``holders``: the unscoped name read directly, the scoped ones found with ``SCAN MATCH
+  <prefix>idem:<64 any> <key>`` (an admin call, never on the request path).
 - time: the server's clock (``TIME``, inside the claim, complete and renew scripts), so
   replicas need not agree on theirs.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import Protocol
 
+from sidecar.idempotency.answer import NOT_KEPT_HEADERS, Headers
 from sidecar.idempotency.keep import KeptAnswer
 
 ABANDONED_KEEP = 24 * 3600.0  # seconds an abandoned claim is kept past its lease (counted)
+HOLDERS_MAX = 100  # the scopes listed for one key (``holders``)
 
 
 class StoreError(Exception):
     """The store could not answer (unreachable, failing, or slower than its timeout)."""
+
+
+# RFC 9110 5.1 and 5.5: a field name is a token; a field value holds no CR, LF, NUL nor any
+# other control but HTAB.
+_FIELD_NAME = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
+_FIELD_VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*\Z")
+
+
+def headers_text(headers: Headers) -> str:
+    """Kept headers as a store holds them: a JSON list of [name, value] (latin-1)."""
+    return json.dumps([[k.decode("latin-1"), v.decode("latin-1")] for k, v in headers])
+
+
+def read_answer(status: object, headers: object, body: object, size: object) -> KeptAnswer:
+    """A kept answer read back from a store, checked before anything may write it to a wire:
+    a final status, ``headers`` a JSON list of [name, value] whose names are tokens (and none a
+    framing or hop-by-hop field, never kept) and whose values hold no CR, LF, NUL or other
+    control, ``body`` bytes or None, ``size`` a count or None. A record that does not fit
+    (damaged, or written by someone else into a shared store) is a ``StoreError``: the route's
+    ``on_store_error`` applies and it is never replayed."""
+    try:
+        code = int(status) if isinstance(status, (int, str, bytes)) else -1
+    except ValueError:
+        code = -1
+    if not 200 <= code <= 599:
+        raise StoreError(f"damaged kept answer: status {status!r}")
+    if isinstance(headers, bytes):
+        headers = headers.decode("latin-1")
+    try:
+        pairs = json.loads(headers) if isinstance(headers, str) and headers else []
+    except ValueError:
+        raise StoreError("damaged kept answer: headers are not JSON") from None
+    if not isinstance(pairs, list):
+        raise StoreError("damaged kept answer: headers are not a list")
+    fields: list[tuple[bytes, bytes]] = []
+    for pair in pairs:
+        if not (
+            isinstance(pair, list) and len(pair) == 2 and all(isinstance(p, str) for p in pair)
+        ):
+            raise StoreError("damaged kept answer: a header is not a [name, value] pair")
+        try:
+            name, value = pair[0].encode("latin-1"), pair[1].encode("latin-1")
+        except UnicodeEncodeError:
+            raise StoreError("damaged kept answer: a header is not latin-1") from None
+        if not _FIELD_NAME.match(name) or name.lower() in NOT_KEPT_HEADERS:
+            raise StoreError(f"damaged kept answer: header name {name!r}")
+        if not _FIELD_VALUE.match(value):
+            raise StoreError(f"damaged kept answer: the value of {name!r} is not a field value")
+        fields.append((name, value))
+    if body is not None and not isinstance(body, bytes):
+        raise StoreError("damaged kept answer: body is not bytes")
+    if size is not None and not (isinstance(size, int) and size >= 0):
+        raise StoreError(f"damaged kept answer: size {size!r}")
+    return KeptAnswer(code, tuple(fields), body, size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +161,12 @@ class IdempotencyStore(Protocol):
 
     async def forget(self, key: str) -> bool: ...
 
+    async def holders(self, key: str) -> list[str]:
+        """The stored keys (``fingerprint.stored_key``: one per scope) that hold the client's
+        ``key``, in any state, at most ``HOLDERS_MAX``: how a support engineer finds a scoped
+        key by the key alone."""
+        ...
+
     async def prune(self, limit: int) -> int:
         """Delete at most ``limit`` expired keys; the number deleted."""
         ...
@@ -126,6 +192,9 @@ class StoreNotOpen:
         raise StoreError("the idempotency store is not open")
 
     async def forget(self, key: str) -> bool:
+        raise StoreError("the idempotency store is not open")
+
+    async def holders(self, key: str) -> list[str]:
         raise StoreError("the idempotency store is not open")
 
     async def prune(self, limit: int) -> int:

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from sidecar import outcomes
 from sidecar.core import Fate
-from sidecar.idempotency.answer import Answer, Forwarded
+from sidecar.idempotency.answer import Answer, Forwarded, not_begun
 from sidecar.idempotency.guard import GuardResult, RequestView, body_too_large, guarded
 from sidecar.idempotency.store import NOT_OPEN
 from sidecar.proxy.context import RequestContext
@@ -36,6 +36,8 @@ from sidecar.proxy.run import run_sequence
 # write's earlier success, a problem (400, 409, 413, 422, 503) refuses it before the app.
 REPLAYED_FATE = Fate.SUCCESS
 REFUSED_FATE = Fate.NOT_RETRYABLE
+# The fields every answer the sidecar makes itself carries (``_made``), lowercased.
+OWN_FIELDS = frozenset({b"date", b"proxy-status"})
 
 
 def guards(ctx: RequestContext) -> bool:
@@ -57,7 +59,8 @@ def too_large(ctx: RequestContext) -> web.StreamResponse:
 def _made(ctx: RequestContext, answer: Answer, *, replayed: bool) -> ProxyResponse:
     """The sidecar's own answer, a problem or a replay (a kept answer's headers are end-to-end
     only: framed anew; a 1xx, 204 or 304 carries no Content-Length, RFC 9110 8.6), with a
-    ``Date`` and ``Proxy-Status`` as every answer the sidecar makes itself: a replay names the
+    ``Date`` and ``Proxy-Status`` (in place of any kept) as every answer the sidecar makes
+    itself: a replay names the
     sidecar (no error), a problem the refusal's RFC 9209 error type (a store that cannot answer
     is the sidecar's own fault)."""
     status = answer.status
@@ -75,7 +78,10 @@ def _made(ctx: RequestContext, answer: Answer, *, replayed: bool) -> ProxyRespon
         (b"Date", formatdate(ctx.deps.clock.wall(), usegmt=True).encode("ascii")),
         (b"Proxy-Status", proxy_status(error).encode("ascii")),
     ]
-    return ProxyResponse(status, [*answer.headers, *framing], own, length)
+    # The sidecar's own fields replace the kept ones (a replay's Date, a replayed DLQ 202's
+    # Proxy-Status): one of each, never two (Date is a singleton field, RFC 9110 6.6.1).
+    kept = [(k, v) for k, v in answer.headers if k.lower() not in OWN_FIELDS]
+    return ProxyResponse(status, [*kept, *framing], own, length)
 
 
 def _send(
@@ -91,11 +97,13 @@ def _headers(resp: web.StreamResponse) -> tuple[tuple[bytes, bytes], ...]:
 
 def forwarded(ctx: RequestContext, held: HeldAnswer, resp: web.StreamResponse) -> Forwarded:
     """What the guard judges of the sequence's answer. The route would retry it (so the key is
-    released): a status in ``retry_on``, an answer a sidecar made itself (a connect failure, a
-    reset, a timeout, an open breaker; an inner sidecar's too). An answer whose body broke after
-    its head came is the app's answer all the same: only its status is kept. A write
-    the DLQ stored is not released: its key is finished with the answer the client got (202 or
-    the failure with ``x-retry-dlq: stored``), so no duplicate runs it beside the DLQ's replay."""
+    released): a status in ``retry_on``, an answer that says the app did not begin the write
+    (``answer.not_begun``: 408, 425, 429, an error with ``Retry-After``), an answer a sidecar
+    made itself (a connect failure, a reset, a timeout, an open breaker; an inner sidecar's
+    too). An answer whose body broke after its head came is the app's answer all the same:
+    only its status is kept. A write the DLQ stored is not released: its key is finished with
+    the answer the client got (202 or the failure with ``x-retry-dlq: stored``), so no
+    duplicate runs it beside the DLQ's replay."""
     if held.resp is None and not held.streamed and not held.broken:
         # The sidecar's own answer (no upstream response, the DLQ's 202).
         own = resp.body if isinstance(resp, web.Response) else None
@@ -123,6 +131,8 @@ def _app_answer(
     captured = held.captured
     stored = captured is not None and captured.record_id is not None
     retryable = held.made_by_sidecar or status in ctx.route.retry.retry_on.statuses
+    # 408, 425, 429 and an error with Retry-After: the app did not begin the write.
+    retryable = retryable or not_begun(status, held.headers)
     # The DLQ's headers are the sidecar's own end-to-end ones: part of the answer the client
     # got, so kept with it (a duplicate is told the write was stored, and under which id).
     headers = tuple(held.headers)
@@ -144,6 +154,7 @@ async def run_guarded(ctx: RequestContext, intake: Intake) -> web.StreamResponse
         tuple(ctx.headers),
         body or b"",
         route.timeout,
+        received=tuple(ctx.request.raw_headers),  # the scope: read before anything is stripped
     )
     held = HeldAnswer(route.idempotency.max_response_bytes)
     sent: list[web.StreamResponse] = []

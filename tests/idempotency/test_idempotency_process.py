@@ -39,6 +39,7 @@ class WriteApp:
     entered: asyncio.Event = field(default_factory=asyncio.Event)
     gate: asyncio.Event | None = None
     status: int = 201
+    extra: dict[str, str] = field(default_factory=dict)  # more headers on its answers
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -49,7 +50,9 @@ class WriteApp:
             await self.gate.wait()
         self.writes.append(body)
         return web.json_response(
-            {"write": len(self.writes)}, status=self.status, headers={"X-App": "yes"}
+            {"write": len(self.writes)},
+            status=self.status,
+            headers={"X-App": "yes", **self.extra},
         )
 
 
@@ -186,6 +189,36 @@ async def test_an_answer_the_route_retries_releases_the_key(app, tmp_path, proc_
     assert len(app.writes) == 2
     seen = await counts(admin)
     assert seen["released"] == 1 and seen["first"] == 1
+
+
+async def test_an_answer_before_the_app_began_releases_the_key(app, tmp_path, proc_stack):
+    """408, 425, 429 (not in ``retry_on``: the route does not retry them) and any error with
+    ``Retry-After`` say the app did not begin the write: never kept, the client's retry with
+    its key runs (and is kept). A 202 with ``Retry-After`` (poll later) is kept: the app acted."""
+    port, admin = await start(
+        proc_stack, tmp_path, config(app, tmp_path, extra="    retry: {attempts: 1}\n")
+    )
+    rows = [
+        (429, {"Retry-After": "1"}),
+        (429, {}),
+        (408, {}),
+        (425, {}),
+        (409, {"Retry-After": "2"}),
+    ]
+    for n, (status, extra) in enumerate(rows):
+        app.status, app.extra = status, extra
+        assert (await post(port, key=f"early-{n}"))[0] == status
+        app.status, app.extra = 201, {}
+        again, headers, _ = await post(port, key=f"early-{n}")
+        assert again == 201 and "Idempotent-Replayed" not in headers, (status, extra)
+        assert (await post(port, key=f"early-{n}"))[1]["Idempotent-Replayed"] == "true"
+    app.status, app.extra = 202, {"Retry-After": "5"}
+    assert (await post(port, key="poll"))[0] == 202
+    status, headers, _ = await post(port, key="poll")
+    assert status == 202 and headers["Idempotent-Replayed"] == "true"
+    assert len(app.writes) == 2 * len(rows) + 1
+    seen = await counts(admin)
+    assert seen["released"] == len(rows) and seen["first"] == len(rows) + 1
 
 
 @pytest.mark.parametrize("on_error", ["refuse", "pass"])

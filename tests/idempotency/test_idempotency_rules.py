@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.idempotency import problem
-from sidecar.idempotency.answer import Answer, Forwarded
+from sidecar.idempotency.answer import Answer, Forwarded, not_begun
 from sidecar.idempotency.decision import Decision, KeyState, decide, retry_after
 from sidecar.idempotency.fingerprint import NO_SCOPE, fingerprint, scope_digest, stored_key
 from sidecar.idempotency.keep import Disposition, KeptAnswer, dispose, kept, replay
@@ -166,6 +166,26 @@ DISPOSE_CASES = [
 @pytest.mark.parametrize(("forwarded", "want"), DISPOSE_CASES)
 def test_kept_or_released(forwarded: Forwarded, want: Disposition) -> None:
     assert dispose(forwarded, max_response_bytes=10) is want
+
+
+@pytest.mark.parametrize(
+    ("status", "headers", "want"),
+    [
+        (429, (), True),
+        (408, (), True),
+        (425, (), True),
+        (409, ((b"retry-after", b"2"),), True),
+        (500, ((b"Retry-After", b"Wed, 21 Oct 2015 07:28:00 GMT"),), True),
+        (409, (), False),
+        (201, (), False),
+        (202, ((b"Retry-After", b"5"),), False),  # accepted, poll later: the app acted
+        (303, ((b"Retry-After", b"5"),), False),
+    ],
+)
+def test_answers_before_the_app_began_release(
+    status: int, headers: tuple[tuple[bytes, bytes], ...], want: bool
+) -> None:
+    assert not_begun(status, headers) is want
 
 
 def test_a_kept_answer_replays_without_framing_and_says_so() -> None:

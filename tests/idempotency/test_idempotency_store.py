@@ -20,6 +20,8 @@ import uvloop
 
 from sidecar.config.fleet import FleetRedis
 from sidecar.fleet.connection import FleetLink
+from sidecar.idempotency import schema
+from sidecar.idempotency.fingerprint import NO_SCOPE, scope_digest, stored_key
 from sidecar.idempotency.keep import KeptAnswer
 from sidecar.idempotency.prune import prune_pass
 from sidecar.idempotency.redisstore import RedisIdempotencyStore
@@ -142,6 +144,61 @@ def test_a_finished_answer_is_replayed_and_survives_a_restart(
 
     run(after)
     again.close()
+
+
+def test_holders_finds_a_key_in_every_scope_by_the_key_alone(with_store: WithStore) -> None:
+    """A scoped key is found by the client's key alone, in every scope and state; a key holding
+    a glob's or LIKE's special characters matches only itself."""
+    alice, bob = scope_digest(((b"x-user", b"alice"),), "X-User"), scope_digest((), "X-User")
+    odd = "a*[b]?\\%_c"
+
+    async def main(store: IdempotencyStore) -> None:
+        for name in (stored_key("k", alice), stored_key("k", NO_SCOPE), stored_key(odd, bob)):
+            claim = await store.claim(name, "fp", 30.0)
+            assert isinstance(claim, Claimed)
+            if name != stored_key(odd, bob):  # one left in progress
+                assert await store.complete(name, claim.token, ANSWER, 3600.0)
+        await store.claim(stored_key("kk", alice), "fp", 30.0)
+        await store.claim(stored_key("a1[b]x%_c", alice), "fp", 30.0)
+        assert await store.holders("k") == sorted([stored_key("k", alice), "- k"])
+        assert await store.holders(odd) == [stored_key(odd, bob)]
+        assert await store.holders("nope") == []
+        assert await store.forget(stored_key("k", alice))
+        assert await store.holders("k") == ["- k"]
+
+    with_store(main)
+
+
+def test_a_store_written_before_the_key_index_is_read_and_found(
+    run: Run, db: Path, clock: FakeClock
+) -> None:
+    """A file of the first schema (no index on the bare key) opens, keeps its keys, and finds
+    them by the key alone; the lookup uses the index, not a scan."""
+    db.parent.mkdir(parents=True)
+    conn = sqlite3.connect(db, isolation_level=None)
+    conn.execute(
+        "CREATE TABLE idempotency_keys (key TEXT PRIMARY KEY, finished INTEGER NOT NULL, "
+        "fingerprint TEXT NOT NULL, token TEXT, created_at REAL NOT NULL, "
+        "expires_at REAL NOT NULL, status INTEGER, headers TEXT, body BLOB, size INTEGER)"
+    )
+    name = stored_key("old", "ab" * 32)
+    conn.execute(
+        "INSERT INTO idempotency_keys VALUES (?, 1, 'fp', NULL, ?, ?, 201, '[]', x'7b7d', NULL)",
+        (name, clock.wall(), clock.wall() + 3600),
+    )
+    conn.execute("PRAGMA user_version = 1")
+    conn.close()
+    store = opened(db, clock)
+    try:
+        assert run(lambda: store.holders("old")) == [name]
+        record = run(lambda: store.get(name))
+        assert record is not None and record.answer == KeptAnswer(201, (), b"{}")
+        plan = sqlite3.connect(db).execute(
+            f"EXPLAIN QUERY PLAN SELECT key FROM idempotency_keys WHERE {schema.BARE_KEY} = 'x'"
+        )
+        assert "idempotency_keys_bare" in " ".join(str(row) for row in plan)
+    finally:
+        store.close()
 
 
 def test_release_and_complete_are_compare_and_set_on_the_token(with_store: WithStore) -> None:
@@ -402,6 +459,8 @@ def test_expired_keys_are_pruned_in_bounded_batches(run: Run, db: Path, clock: F
 KILLED = """
 import sqlite3, sys
 from sidecar.idempotency import schema
+from sidecar.idempotency import schema
+from sidecar.idempotency.fingerprint import NO_SCOPE, scope_digest, stored_key
 from sidecar.idempotency.keep import KeptAnswer
 from sidecar.idempotency.sqlite import claim_tx, complete_tx, connect
 
