@@ -209,3 +209,37 @@ async def test_a_first_write_is_two_commands_to_redis_one_claim_one_keep(
         await watcher.aclose()
     assert sent == ["EVALSHA", "EVALSHA"]
     assert len(app.writes) == 2
+
+
+async def test_a_write_refused_during_a_redis_stall_leaves_no_claim_for_its_retry(
+    app: WriteApp,
+    tmp_path: Path,
+    proc_stack: list[SidecarProcess],
+    redis: RedisServer,
+) -> None:
+    """Issue 29 item 3: a write refused with 503 ``store-unavailable`` while Redis is paused
+    (SIGSTOP, 1.5 s): its claim script, already sent, runs when Redis resumes, after the
+    sidecar gave up on it. It must not hold the key: the client's retry of a write that never
+    ran reaches the app (not 409 with the whole lease as ``Retry-After``)."""
+    port, admin = await start_in(proc_stack, tmp_path / "a", fleet_config(app, redis))
+    assert (await post(port, key="warm"))[0] == 201  # connection open, scripts loaded
+    redis.pause()
+    try:
+        status, _, made = await post(port, key="stalled")
+        assert status == 503
+        problem(made, "store-unavailable")
+        await asyncio.sleep(1.5 - 0.5)  # the pause: 1.5 s in all (the post took the 500 ms)
+    finally:
+        redis.resume()
+    assert len(app.writes) == 1
+
+    async def retried() -> tuple[int, dict[str, str], bytes]:
+        while True:  # the link's pause after the failure, then Redis answers again
+            got = await post(port, key="stalled")
+            if got[0] != 503:
+                return got
+            await asyncio.sleep(0.1)
+
+    status, headers, body = await asyncio.wait_for(retried(), 15)
+    assert (status, json.loads(body)) == (201, {"write": 2}), headers
+    assert len(app.writes) == 2
