@@ -42,6 +42,7 @@ import secrets
 import sqlite3
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sidecar.core import Clock
@@ -57,6 +58,7 @@ from sidecar.idempotency.store import (
     KeyRecord,
     Mismatch,
     StoreError,
+    StoreFull,
 )
 
 log = logging.getLogger("sidecar.idempotency")
@@ -90,13 +92,42 @@ def _row(conn: sqlite3.Connection, key: str) -> tuple[Any, ...] | None:
     return row
 
 
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """``idempotency.max_records`` / ``max_bytes``: past either, a new key is refused."""
+
+    max_records: int
+    max_bytes: int
+
+
+def tally(conn: sqlite3.Connection) -> tuple[int, int]:
+    """The keys the file holds and their bytes (``schema.TALLY``)."""
+    records, size = conn.execute(
+        "SELECT records, bytes FROM idempotency_tally WHERE id = 0"
+    ).fetchone()
+    return int(records), int(size)
+
+
 def claim_tx(
-    conn: sqlite3.Connection, key: str, fingerprint: str, lease: float, token: str, now: float
+    conn: sqlite3.Connection,
+    key: str,
+    fingerprint: str,
+    lease: float,
+    token: str,
+    now: float,
+    *,
+    bounds: Bounds | None = None,
 ) -> ClaimResult:
     row = _row(conn, key)
     state = None if row is None else KeyState(bool(row[1]), row[2], row[5])
     decision = decide(state, fingerprint, now)
     if decision is Decision.FIRST or decision is Decision.LEASE_EXPIRED:
+        if row is None and bounds is not None:  # a new key: within the bounds?
+            records, size = tally(conn)
+            if records >= bounds.max_records:
+                raise StoreFull(f"the idempotency store holds {bounds.max_records} keys already")
+            if size >= bounds.max_bytes:
+                raise StoreFull(f"the idempotency store holds {bounds.max_bytes} bytes already")
         conn.execute(
             "INSERT OR REPLACE INTO idempotency_keys "
             "(key, finished, fingerprint, token, created_at, expires_at) VALUES (?, 0, ?, ?, ?, ?)",
@@ -173,6 +204,7 @@ def connect(
         conn.execute(f"PRAGMA synchronous={synchronous}")
         conn.execute("PRAGMA wal_autocheckpoint=0")
         conn.execute(f"PRAGMA journal_size_limit={int(journal_limit)}")
+        conn.execute("PRAGMA recursive_triggers=ON")  # a REPLACE counted out of the tally
     except BaseException:
         conn.close()
         raise
@@ -191,6 +223,8 @@ def _transaction(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]
     except BaseException as exc:
         with contextlib.suppress(sqlite3.Error):
             conn.execute("ROLLBACK")
+        if isinstance(exc, StoreError):  # a refusal (StoreFull): nothing written
+            raise
         if isinstance(exc, (sqlite3.Error, OSError)):
             raise StoreError(f"idempotency storage failed: {exc}") from None
         if isinstance(exc, Exception):  # a bug in the operation: logged, a store error
@@ -213,8 +247,10 @@ class SqliteIdempotencyStore:
         abandoned_keep: float = ABANDONED_KEEP,
         busy_timeout_ms: int = BUSY_TIMEOUT_MS,
         wal_reset_bytes: int = WAL_RESET_BYTES,
+        bounds: Bounds | None = None,
     ) -> None:
         self.path = path
+        self.bounds = bounds
         self.wal_reset_bytes = wal_reset_bytes
         self.wal_resets = 0  # logs emptied by ``reset_log``
         self._clock = clock
@@ -365,7 +401,10 @@ class SqliteIdempotencyStore:
     async def claim(self, key: str, fingerprint: str, lease: float) -> ClaimResult:
         await self._unheld()
         token, now = secrets.token_hex(16), self._clock.wall()
-        return self._write(lambda conn: claim_tx(conn, key, fingerprint, lease, token, now))
+        bounds = self.bounds
+        return self._write(
+            lambda conn: claim_tx(conn, key, fingerprint, lease, token, now, bounds=bounds)
+        )
 
     async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> bool:
         await self._unheld()

@@ -45,6 +45,12 @@ class StoreError(Exception):
     """The store could not answer (unreachable, failing, or slower than its timeout)."""
 
 
+class StoreFull(StoreError):
+    """A new key refused: the store holds ``idempotency.max_records`` keys or
+    ``max_bytes`` bytes already (the route's ``on_store_error`` applies, counted
+    ``store-full``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Claimed:
     token: str  # the claim's proof of ownership for complete/release
