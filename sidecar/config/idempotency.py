@@ -83,3 +83,12 @@ class IdempotencyStorage:
     # The open store is not swapped under requests in flight: both are read at start.
     backend: Backend = key("sqlite", c.Choice(BACKENDS), live=False)
     path: str = key("./data/idempotency.sqlite3", c.non_empty_str, live=False)
+    # Bounds of the SQLite file (read at start): past either, a new key is refused and the
+    # route's on_store_error applies (counted store-full). The fleet's Redis is bounded by its
+    # own maxmemory (with maxmemory-policy noeviction).
+    max_records: int = key(
+        10_000_000, c.int_range(1, 1_000_000_000), live=False, note="keys kept (sqlite)"
+    )
+    max_bytes: int = key(
+        4 * 1024**3, c.size, unit="size", live=False, note="kept answers' bytes (sqlite)"
+    )

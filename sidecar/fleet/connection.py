@@ -67,6 +67,12 @@ class FleetUnavailable(Exception):
     in the pause after such a failure)."""
 
 
+class BadReply(Exception):
+    """A reply that does not have the shape its command answers: another server on Redis's
+    port, or a proxy in between. Raised by a use that checks what it got; a failure of the
+    link like any other (its pause, its error shown)."""
+
+
 def password(settings: FleetRedis, environ: Mapping[str, str]) -> str | None:
     """The password from the variable ``password_env`` names; None when unset or empty."""
     if settings.password_env is None:
@@ -120,7 +126,7 @@ def failures() -> tuple[type[BaseException], ...]:
     """What a call to the client raises when Redis cannot answer."""
     from redis.exceptions import RedisError
 
-    return (RedisError, OSError, TimeoutError)
+    return (RedisError, OSError, TimeoutError, BadReply)
 
 
 @dataclass(slots=True)

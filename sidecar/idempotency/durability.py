@@ -2,7 +2,8 @@
 loop with ``synchronous=NORMAL`` (no fsync on the request path), and this task checkpoints the
 WAL -- which fsyncs it -- in a worker thread every ``EVERY`` seconds after something was
 written. A power loss may so roll back at most about the last ``EVERY`` seconds of keys; a crash
-of the process rolls back nothing (the committed WAL is in the OS page cache)."""
+of the process rolls back nothing (the committed WAL is in the OS page cache). A checkpoint that
+leaves the log past its bound is followed by ``reset_log``, which empties it (``sqlite.py``)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,15 @@ class Checkpointed(Protocol):
         """Whether a write committed since the last call (and forget it); on the loop."""
         ...
 
-    def checkpoint(self) -> None:
+    def checkpoint(self) -> bool:
         """Make every committed write durable; blocking, run in a worker thread; StoreError
-        (the write is then still to be made durable) when it cannot."""
+        (the write is then still to be made durable) when it cannot. True when the log is
+        left past its bound: ``reset_log`` next."""
+        ...
+
+    async def reset_log(self) -> None:
+        """Empty the log, off the loop; StoreError when it cannot (tried after the next
+        checkpoint again)."""
         ...
 
 
@@ -43,6 +50,7 @@ async def sync_forever(
         if not store.take_written():
             continue
         try:
-            await asyncio.to_thread(store.checkpoint)
+            if await asyncio.to_thread(store.checkpoint):
+                await store.reset_log()
         except StoreError as exc:
             log.warning("idempotency checkpoint failed (tried again in %s s): %s", every, exc)

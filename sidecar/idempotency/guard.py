@@ -44,6 +44,7 @@ from sidecar.idempotency.store import (
     IdempotencyStore,
     Mismatch,
     StoreError,
+    StoreFull,
 )
 
 log = logging.getLogger("sidecar.idempotency")
@@ -169,9 +170,10 @@ async def guarded(
             log.warning(
                 "idempotency store unavailable (%s): %s%s", policy.on_store_error, exc, more
             )
+        failed = O.STORE_FULL if isinstance(exc, StoreFull) else O.STORE_ERROR
         if policy.on_store_error == "pass":
-            return GuardResult(await forward(), O.STORE_ERROR)
-        return GuardResult(problem.store_unavailable(key), O.STORE_ERROR)
+            return GuardResult(await forward(), failed)
+        return GuardResult(problem.store_unavailable(key), failed)
     if isinstance(claim, Busy):
         return GuardResult(
             problem.in_progress(key, retry_after(claim.expiry, clock.wall())), O.IN_PROGRESS

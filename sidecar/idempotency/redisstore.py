@@ -26,8 +26,12 @@ Redis's ``now``; Redis's own expiry uses durations only. (A ``Busy``'s expiry is
 caller's wall clock.) Every call is bounded by ``fleet.redis.timeout`` (``FleetLink``); past
 it, or while the link pauses after a failure, the call is a ``StoreError`` and the route's
 ``on_store_error`` applies. A claim that timed out or was cancelled after it was sent is undone:
-its token is released (and once more a timeout later, in case the claim reached Redis after the
-first release).
+its token is released (and once more a timeout later). Such a claim cannot land late either: it
+carries the call's deadline mapped onto Redis's clock (``redisreply.RedisClock``, learnt from the
+``now`` of earlier replies, and with one ``TIME`` before the first claim), and a script that runs
+past it writes nothing: a write refused with ``store-unavailable`` during a Redis stall leaves no
+key for its retry to find. Every reply is checked for shape (``redisreply``): one that does not
+fit is a ``BadReply``, a failure of the link, so ``on_store_error`` applies.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sidecar.core import Clock
-from sidecar.fleet.connection import FleetLink, FleetUnavailable
+from sidecar.fleet.connection import BadReply, FleetLink, FleetUnavailable
+from sidecar.idempotency import redisreply as shape
 from sidecar.idempotency.decision import Decision, KeyState, decide
 from sidecar.idempotency.fingerprint import NO_SCOPE, stored_key
 from sidecar.idempotency.keep import KeptAnswer
@@ -77,12 +82,17 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 VERSION = ("finished", "fingerprint", "token", "expires_at")
 # KEYS[1]: the key; ARGV: fingerprint, token, lease (seconds), px (the lease plus the abandoned
 # keep), the state judged ('' on a first try: claim only an absent key; else VERSION's fields
-# joined by '|': claim only over exactly that state). Answers {1, now}: claimed an absent key;
-# {2, now}: claimed over the state judged; {0, now, fields}: nothing written, judge these.
+# joined by '|': claim only over exactly that state), the deadline on the server's clock ('':
+# none). Answers {1, now}: claimed an absent key; {2, now}: claimed over the state judged;
+# {0, now, fields}: nothing written, judge these; {3, now}: run past its deadline (the sidecar
+# gave up on it), nothing written.
 _CLAIM = (
     _NOW
     + """
 local nowtext = string.format('%.6f', now)
+if ARGV[6] ~= '' and now > tonumber(ARGV[6]) then
+  return {3, nowtext}
+end
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local v = redis.call('HMGET', KEYS[1], 'finished', 'fingerprint', 'token', 'expires_at')
   local held = (v[1] or '') .. '|' .. (v[2] or '') .. '|' .. (v[3] or '') .. '|' .. (v[4] or '')
@@ -159,19 +169,16 @@ def _text(fields: Fields, name: str) -> str:
     return _raw(fields, name).decode()
 
 
-def _pairs(flat: list[bytes]) -> Fields:
-    """A hash as a script answers it (``HGETALL`` inside Lua: name, value, name, value...)."""
-    fields: dict[bytes | str, bytes | str] = dict(zip(flat[::2], flat[1::2], strict=True))
-    return fields
-
-
 def _state(fields: Fields) -> KeyState | None:
     if not fields:
         return None
+    finished = _text(fields, "finished")
+    if finished not in ("0", "1"):
+        raise BadReply(f"an idempotency key in Redis holds finished={finished!r}")
     return KeyState(
-        _text(fields, "finished") == "1",
+        finished == "1",
         _text(fields, "fingerprint"),
-        float(_text(fields, "expires_at")),
+        shape.number(_raw(fields, "expires_at")),
     )
 
 
@@ -214,6 +221,7 @@ class RedisIdempotencyStore:
         self._release = link.client.register_script(_RELEASE)
         self._renew = link.client.register_script(_RENEW)
         self._undos: set[asyncio.Task[None]] = set()
+        self._redis_clock = shape.RedisClock()
 
     @property
     def connected(self) -> bool:
@@ -232,25 +240,37 @@ class RedisIdempotencyStore:
         token = secrets.token_hex(16)
         name = self._name(key)
         args = [fingerprint, token, repr(float(lease)), str(_ms(lease + self._abandoned_keep))]
+        # At or before the link's own deadline for this call (it starts counting later).
+        deadline = self._clock.monotonic() + self._link.timeout
 
         async def run(client: Redis) -> ClaimResult:
             judged = ""  # first try: claim the key only if it is absent
             took_over = False
+            if self._redis_clock.offset is None:
+                await self._learn_time(client)
             for _ in range(ROUNDS):
-                reply = await self._claim_round(client, name, [*args, judged])
-                code, now = int(reply[0]), float(reply[1])
+                with shape.checking("a claim"):
+                    got = await self._claim_round(
+                        client, name, [*args, judged, self._redis_clock.deadline(deadline)]
+                    )
+                reply = shape.claim_reply(got)
+                code, now = reply.code, reply.now
+                self._redis_clock.learn(now, self._clock.monotonic())
+                if code == 3:
+                    raise StoreError("the claim reached Redis after its deadline; nothing written")
                 if code:
                     return Claimed(token, took_over=took_over and code == 2)
-                fields = _pairs(reply[2])
-                decision = decide(_state(fields), fingerprint, now)
-                if decision is Decision.IN_PROGRESS:
-                    # The holder's lease end, told on this sidecar's wall clock.
-                    left = float(_text(fields, "expires_at")) - now
-                    return Busy(self._clock.wall() + left)
-                if decision is Decision.MISMATCH:
-                    return Mismatch()
-                if decision is Decision.REPLAYED:
-                    return Finished(_record(key, fields))
+                fields = reply.fields or {}
+                with shape.checking("a claim"):
+                    decision = decide(_state(fields), fingerprint, now)
+                    if decision is Decision.IN_PROGRESS:
+                        # The holder's lease end, told on this sidecar's wall clock.
+                        left = shape.number(_raw(fields, "expires_at")) - now
+                        return Busy(self._clock.wall() + left)
+                    if decision is Decision.MISMATCH:
+                        return Mismatch()
+                    if decision is Decision.REPLAYED:
+                        return Finished(_record(key, fields))
                 # FIRST (finished, past its ttl) or LEASE_EXPIRED: claim over what was judged.
                 judged = "|".join(_text(fields, n) for n in VERSION)
                 took_over = decision is Decision.LEASE_EXPIRED
@@ -262,10 +282,23 @@ class RedisIdempotencyStore:
             self._undo(key, token)  # the claim may have reached Redis after all
             raise
 
+    async def _learn_time(self, client: Redis) -> None:
+        """Redis's clock before the first claim (later ones learn it from the claims)."""
+        with shape.checking("TIME"):
+            got = await client.time()
+        self._redis_clock.learn(shape.redis_time(got), self._clock.monotonic())
+
     async def _claim_round(self, client: Redis, name: str, args: list[str]) -> list[Any]:
         """One run of the claim script: one round trip."""
         reply: list[Any] = await self._claim(keys=[name], args=args, client=client)
         return reply
+
+    @staticmethod
+    async def _flag(script: Any, name: str, args: list[Any], client: Redis, what: str) -> bool:
+        """One script answering 0 or 1, checked."""
+        with shape.checking(what):
+            got = await script(keys=[name], args=args, client=client)
+        return shape.flag(got, what)
 
     def _undo(self, key: str, token: str) -> None:
         task = asyncio.get_running_loop().create_task(self._undo_claim(key, token))
@@ -292,29 +325,38 @@ class RedisIdempotencyStore:
             str(_ms(ttl)),
         ]
         name = self._name(key)
-        done = await self._call(lambda c: self._complete(keys=[name], args=args, client=c))
-        return bool(done)
+        done = await self._call(lambda c: self._flag(self._complete, name, args, c, "a keep"))
+        return done
 
     async def release(self, key: str, token: str) -> bool:
         name = self._name(key)
-        done = await self._call(lambda c: self._release(keys=[name], args=[token], client=c))
-        return bool(done)
+        done = await self._call(lambda c: self._flag(self._release, name, [token], c, "a release"))
+        return done
 
     async def renew(self, key: str, token: str, lease: float) -> bool:
         name = self._name(key)
         args = [token, repr(float(lease)), str(_ms(lease + self._abandoned_keep))]
-        done = await self._call(lambda c: self._renew(keys=[name], args=args, client=c))
-        return bool(done)
+        done = await self._call(lambda c: self._flag(self._renew, name, args, c, "a renewal"))
+        return done
 
     async def get(self, key: str) -> KeyRecord | None:
         name = self._name(key)
-        fields: Fields = await self._call(lambda c: c.hgetall(name))
-        return _record(key, fields) if fields else None
+
+        async def read(c: Redis) -> KeyRecord | None:
+            with shape.checking("HGETALL"):
+                fields = shape.hash_fields(await c.hgetall(name), "HGETALL")
+                return _record(key, fields) if fields else None
+
+        return await self._call(read)
 
     async def forget(self, key: str) -> bool:
         name = self._name(key)
-        deleted: int = await self._call(lambda c: c.delete(name))
-        return deleted == 1
+
+        async def delete(c: Redis) -> bool:
+            with shape.checking("DEL"):
+                return shape.flag(await c.delete(name), "DEL")
+
+        return await self._call(delete)
 
     async def holders(self, key: str) -> list[str]:
         """The unscoped name read directly; the scoped ones (a 64-hex digest, a space, the key)

@@ -66,6 +66,7 @@ class KeyStoreService:
         # What the process started with (``backend``, ``path`` and ``fleet`` are restart-only).
         self.path = config.idempotency.path
         self.backend = config.idempotency.backend
+        self._max = (config.idempotency.max_records, config.idempotency.max_bytes)
         self._redis: FleetRedis = config.fleet.redis
         self._clock = clock
         self._on_open = on_open
@@ -86,9 +87,10 @@ class KeyStoreService:
                 return True
             import sqlite3
 
-            from sidecar.idempotency.sqlite import SqliteIdempotencyStore
+            from sidecar.idempotency.sqlite import Bounds, SqliteIdempotencyStore
 
-            store = SqliteIdempotencyStore(self.path, self._clock)
+            bounds = Bounds(*self._max)
+            store = SqliteIdempotencyStore(self.path, self._clock, bounds=bounds)
             opening = asyncio.ensure_future(asyncio.to_thread(store.open))
             try:
                 await asyncio.shield(opening)

@@ -18,6 +18,14 @@ after a write, and a full one at ``close``: a power loss or kernel crash may rol
 about the last 100 ms of keys (they then behave as at-least-once, as a sidecar killed
 mid-request). No checkpoint runs on the loop (``wal_autocheckpoint=0`` on its connection).
 
+The WAL stays bounded. A passive checkpoint never shortens the log, and under sustained writes
+one always lands while it runs, so SQLite never starts the log again from its beginning: it
+grew without end (216 MB after 7,500 writes). When a checkpoint leaves the log past
+``WAL_RESET_BYTES``, ``reset_log`` holds the store's calls (they wait on the loop, which stays
+free; none is half-way, as each runs to its end without yielding) while a ``TRUNCATE``
+checkpoint in a worker thread copies the few frames the passive one left and empties the log.
+``journal_size_limit`` cuts a log that SQLite starts again by itself to the same size.
+
 Times are wall clock (``clock.wall()``): a key outlives the process and is shared between
 processes. The transaction bodies are module functions (``claim_tx``, ...) taking the
 connection and ``now``: the store runs them, and a test runs them in a process it kills.
@@ -25,6 +33,7 @@ connection and ``now``: the store runs them, and a test runs them in a process i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -32,6 +41,7 @@ import secrets
 import sqlite3
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sidecar.core import Clock
@@ -48,12 +58,14 @@ from sidecar.idempotency.store import (
     KeyRecord,
     Mismatch,
     StoreError,
+    StoreFull,
     headers_text,
     read_answer,
 )
 
 log = logging.getLogger("sidecar.idempotency")
 
+WAL_RESET_BYTES = 16 << 20  # a log past this after a checkpoint is emptied (``reset_log``)
 BUSY_TIMEOUT_MS = 50  # the longest a call waits for a lock held elsewhere (on the loop thread)
 FILE_MODE = 0o600
 T = TypeVar("T")
@@ -75,13 +87,42 @@ def _row(conn: sqlite3.Connection, key: str) -> tuple[Any, ...] | None:
     return row
 
 
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """``idempotency.max_records`` / ``max_bytes``: past either, a new key is refused."""
+
+    max_records: int
+    max_bytes: int
+
+
+def tally(conn: sqlite3.Connection) -> tuple[int, int]:
+    """The keys the file holds and their bytes (``schema.TALLY``)."""
+    records, size = conn.execute(
+        "SELECT records, bytes FROM idempotency_tally WHERE id = 0"
+    ).fetchone()
+    return int(records), int(size)
+
+
 def claim_tx(
-    conn: sqlite3.Connection, key: str, fingerprint: str, lease: float, token: str, now: float
+    conn: sqlite3.Connection,
+    key: str,
+    fingerprint: str,
+    lease: float,
+    token: str,
+    now: float,
+    *,
+    bounds: Bounds | None = None,
 ) -> ClaimResult:
     row = _row(conn, key)
     state = None if row is None else KeyState(bool(row[1]), row[2], row[5])
     decision = decide(state, fingerprint, now)
     if decision is Decision.FIRST or decision is Decision.LEASE_EXPIRED:
+        if row is None and bounds is not None:  # a new key: within the bounds?
+            records, size = tally(conn)
+            if records >= bounds.max_records:
+                raise StoreFull(f"the idempotency store holds {bounds.max_records} keys already")
+            if size >= bounds.max_bytes:
+                raise StoreFull(f"the idempotency store holds {bounds.max_bytes} bytes already")
         conn.execute(
             "INSERT OR REPLACE INTO idempotency_keys "
             "(key, finished, fingerprint, token, created_at, expires_at) VALUES (?, 0, ?, ?, ?, ?)",
@@ -142,15 +183,23 @@ def prune_tx(conn: sqlite3.Connection, limit: int, now: float, abandoned_keep: f
     return cur.rowcount
 
 
-def connect(path: str, busy_timeout_ms: int, synchronous: str = "NORMAL") -> sqlite3.Connection:
+def connect(
+    path: str,
+    busy_timeout_ms: int,
+    synchronous: str = "NORMAL",
+    journal_limit: int = WAL_RESET_BYTES,
+) -> sqlite3.Connection:
     """A connection in autocommit mode (transactions are explicit), WAL, ``synchronous`` as
-    given, no automatic checkpoint (the store's ``checkpoint`` runs them, off the loop)."""
+    given, no automatic checkpoint (the store's ``checkpoint`` runs them, off the loop), a log
+    that SQLite starts again cut to ``journal_limit`` bytes."""
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
         conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={synchronous}")
         conn.execute("PRAGMA wal_autocheckpoint=0")
+        conn.execute(f"PRAGMA journal_size_limit={int(journal_limit)}")
+        conn.execute("PRAGMA recursive_triggers=ON")  # a REPLACE counted out of the tally
     except BaseException:
         conn.close()
         raise
@@ -169,7 +218,7 @@ def _transaction(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]
     except BaseException as exc:
         with contextlib.suppress(sqlite3.Error):
             conn.execute("ROLLBACK")
-        if isinstance(exc, StoreError):  # a damaged record read back
+        if isinstance(exc, StoreError):  # a damaged record read back, or a refusal (StoreFull)
             raise
         if isinstance(exc, (sqlite3.Error, OSError)):
             raise StoreError(f"idempotency storage failed: {exc}") from None
@@ -192,8 +241,13 @@ class SqliteIdempotencyStore:
         *,
         abandoned_keep: float = ABANDONED_KEEP,
         busy_timeout_ms: int = BUSY_TIMEOUT_MS,
+        wal_reset_bytes: int = WAL_RESET_BYTES,
+        bounds: Bounds | None = None,
     ) -> None:
         self.path = path
+        self.bounds = bounds
+        self.wal_reset_bytes = wal_reset_bytes
+        self.wal_resets = 0  # logs emptied by ``reset_log``
         self._clock = clock
         self._abandoned_keep = abandoned_keep
         self._busy_timeout_ms = busy_timeout_ms
@@ -207,6 +261,7 @@ class SqliteIdempotencyStore:
         self._closed = False
         # One checkpoint at a time, and none while (or after) the files are closed.
         self._sync_lock = threading.Lock()
+        self._held: asyncio.Event | None = None  # set while ``reset_log`` holds the calls
 
     @property
     def is_open(self) -> bool:
@@ -221,10 +276,10 @@ class SqliteIdempotencyStore:
         # Created owner-only (answers hold response bodies); -wal and -shm get the same mode.
         with contextlib.suppress(FileExistsError):
             os.close(os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, FILE_MODE))
-        conn = connect(self.path, self._busy_timeout_ms)
+        conn = connect(self.path, self._busy_timeout_ms, journal_limit=self.wal_reset_bytes)
         try:
             schema.migrate(conn)
-            sync = connect(self.path, self._busy_timeout_ms)
+            sync = connect(self.path, self._busy_timeout_ms, journal_limit=self.wal_reset_bytes)
         except BaseException:
             conn.close()
             raise
@@ -267,14 +322,15 @@ class SqliteIdempotencyStore:
         written, self._written = self._written, False
         return written
 
-    def checkpoint(self) -> None:
+    def checkpoint(self) -> bool:
         """Make every committed key durable: a passive checkpoint on the store's second
         connection, which fsyncs the WAL before it copies it into the file, and takes no write
-        lock (the loop's writes go on meanwhile). Blocking: run it in a worker thread."""
+        lock (the loop's writes go on meanwhile). Blocking: run it in a worker thread. True
+        when the log is left past ``wal_reset_bytes``: ``reset_log`` is due."""
         with self._sync_lock:
             sync = self._sync
             if sync is None:
-                return
+                return False
             try:
                 _busy, logged, copied = sync.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
                 if logged > copied:  # frames a reader still needed were not copied nor synced
@@ -286,6 +342,45 @@ class SqliteIdempotencyStore:
             except (sqlite3.Error, OSError) as exc:
                 self._written = True  # still to be made durable: the next tick tries again
                 raise StoreError(f"idempotency checkpoint failed: {exc}") from None
+            return self.wal_bytes() > self.wal_reset_bytes
+
+    def wal_bytes(self) -> int:
+        """The write-ahead log's size on disk now (0 when there is none)."""
+        try:
+            return os.stat(self.path + "-wal").st_size
+        except FileNotFoundError:
+            return 0
+
+    async def reset_log(self) -> None:
+        """Empty the log: the store's calls held (they wait, the loop stays free) while a
+        ``TRUNCATE`` checkpoint runs in a worker thread; let go however it ends. Cancelled,
+        the calls go on at once (the checkpoint ends in its thread; a call meeting it waits
+        for it at most ``busy_timeout_ms``)."""
+        if self._held is not None:
+            return
+        held = self._held = asyncio.Event()
+        try:
+            await asyncio.to_thread(self._truncate)
+        finally:
+            self._held = None
+            held.set()
+
+    def _truncate(self) -> None:
+        with self._sync_lock:
+            sync = self._sync
+            if sync is None:
+                return
+            try:
+                busy, _logged, _copied = sync.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            except sqlite3.Error as exc:
+                raise StoreError(f"idempotency log reset failed: {exc}") from None
+            if not busy:
+                self.wal_resets += 1
+
+    async def _unheld(self) -> None:
+        """Wait while ``reset_log`` holds the calls (at once otherwise)."""
+        while (held := self._held) is not None:
+            await held.wait()
 
     def _conn_or_error(self) -> sqlite3.Connection:
         conn = self._conn
@@ -299,21 +394,29 @@ class SqliteIdempotencyStore:
         return value
 
     async def claim(self, key: str, fingerprint: str, lease: float) -> ClaimResult:
+        await self._unheld()
         token, now = secrets.token_hex(16), self._clock.wall()
-        return self._write(lambda conn: claim_tx(conn, key, fingerprint, lease, token, now))
+        bounds = self.bounds
+        return self._write(
+            lambda conn: claim_tx(conn, key, fingerprint, lease, token, now, bounds=bounds)
+        )
 
     async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> bool:
+        await self._unheld()
         now = self._clock.wall()
         return self._write(lambda conn: complete_tx(conn, key, token, answer, ttl, now))
 
     async def release(self, key: str, token: str) -> bool:
+        await self._unheld()
         return self._write(lambda conn: release_tx(conn, key, token))
 
     async def renew(self, key: str, token: str, lease: float) -> bool:
+        await self._unheld()
         now = self._clock.wall()
         return self._write(lambda conn: renew_tx(conn, key, token, lease, now))
 
     async def get(self, key: str) -> KeyRecord | None:
+        await self._unheld()
         try:
             row = _row(self._conn_or_error(), key)
         except sqlite3.Error as exc:
@@ -321,6 +424,8 @@ class SqliteIdempotencyStore:
         return None if row is None else _record(row)
 
     async def forget(self, key: str) -> bool:
+        await self._unheld()
+
         def op(conn: sqlite3.Connection) -> bool:
             return conn.execute("DELETE FROM idempotency_keys WHERE key = ?", (key,)).rowcount == 1
 
@@ -342,5 +447,6 @@ class SqliteIdempotencyStore:
         return [str(row[0]) for row in rows]
 
     async def prune(self, limit: int) -> int:
+        await self._unheld()
         now, keep = self._clock.wall(), self._abandoned_keep
         return self._write(lambda conn: prune_tx(conn, limit, now, keep))

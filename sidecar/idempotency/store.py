@@ -105,6 +105,12 @@ def read_answer(status: object, headers: object, body: object, size: object) -> 
     return KeptAnswer(code, tuple(fields), body, size)
 
 
+class StoreFull(StoreError):
+    """A new key refused: the store holds ``idempotency.max_records`` keys or
+    ``max_bytes`` bytes already (the route's ``on_store_error`` applies, counted
+    ``store-full``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Claimed:
     token: str  # the claim's proof of ownership for complete/release

@@ -152,6 +152,8 @@ TOP_KEYS: dict[str, st.SearchStrategy[Any]] = {
     "dlq.max_bytes": SIZES,
     "idempotency.backend": kind(["sqlite", "redis"], ["memcached"]),
     "idempotency.path": kind(["/nonexistent/idempotency.sqlite3"], [""]),
+    "idempotency.max_records": kind([1, 1_000_000_000], [0]),
+    "idempotency.max_bytes": SIZES,
     "limits.max_header_bytes": SIZES,
     "limits.header_timeout": POSITIVE,
     "limits.body_idle_timeout": POSITIVE,

@@ -7,6 +7,7 @@ write lock, runs only after writes, and is a named task of the sidecar, cancelle
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import sqlite3
 from pathlib import Path
@@ -114,12 +115,16 @@ class Counted:
         written, self.written = self.written, False
         return written
 
-    def checkpoint(self) -> None:
+    def checkpoint(self) -> bool:
         self.checkpoints += 1
         if self.fail_next:
             self.fail_next = False
             self.written = True  # as the store: still to be made durable
             raise StoreError("disk gone")
+        return False
+
+    async def reset_log(self) -> None:
+        raise AssertionError("the log is never past its bound here")
 
 
 @pytest.mark.parametrize("fail_first", [False, True])
@@ -154,6 +159,82 @@ def test_the_sync_task_checkpoints_after_writes_only(fail_first: bool) -> None:
             await task
 
     uvloop.run(main())
+
+
+BIG = KeptAnswer(201, ((b"Content-Type", b"application/json"),), b"x" * 16384)
+RESET_AT = 1 << 20  # the store's bound on the log after a checkpoint, small for the test
+WRITES = 1500  # guarded writes (claim and keep): ~25 MB of log without a reset
+EVERY_WRITES = 20  # the sync task's tick: after this many writes (not a time)
+
+
+def test_the_wal_stays_bounded_under_sustained_writes(db: Path) -> None:
+    """Issue 29 item 8: writes that never stop, as at the proxy's peak guarded-write rate,
+    land during every background checkpoint, so a passive checkpoint alone never lets SQLite
+    start the log again: it grew without end. The sync task, ticking every ``EVERY_WRITES``
+    writes (count-based) while up to ``EVERY_WRITES`` writes go on during its checkpoint, keeps the real file's WAL under a
+    small multiple of its bound, and every write still succeeds (none waits longer than a
+    reset, none fails)."""
+    store = SqliteIdempotencyStore(str(db), FakeClock(), wal_reset_bytes=RESET_AT)
+    store.open()
+    largest = 0
+
+    async def main() -> None:
+        nonlocal largest
+        due, idle = asyncio.Event(), asyncio.Event()
+
+        async def sleep(_: float) -> None:
+            idle.set()  # the last tick's checkpoint (and reset) done
+            await due.wait()
+            due.clear()
+
+        task = asyncio.ensure_future(sync_forever(store, 0.1, sleep))
+        try:
+            for i in range(WRITES):
+                claim = await store.claim(f"k{i}", "fp", 30.0)
+                assert isinstance(claim, Claimed)
+                assert await store.complete(f"k{i}", claim.token, BIG, 3600.0)
+                largest = max(largest, store.wal_bytes())
+                if i % EVERY_WRITES == 0:
+                    # At most EVERY_WRITES writes run during one tick's checkpoint: a bound in
+                    # writes, not in time, whatever the machine's speed.
+                    await idle.wait()
+                    idle.clear()
+                    due.set()
+                await asyncio.sleep(0)  # the checkpoint's thread runs while writes go on
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    try:
+        uvloop.run(main())
+    finally:
+        store.close()
+    assert largest < 4 * RESET_AT, f"the WAL reached {largest} bytes"
+    assert store.wal_resets > 0
+
+
+def test_a_reset_cancelled_half_way_lets_the_calls_go_on(db: Path) -> None:
+    """``reset_log`` holds the store's calls: cancelled while its checkpoint runs, it lets
+    them go at once, and the calls held meanwhile run."""
+    store = opened(db)
+
+    async def main() -> None:
+        reset = asyncio.ensure_future(store.reset_log())
+        await asyncio.sleep(0)  # the calls are held from here
+        claim = asyncio.ensure_future(store.claim("k", "fp", 30.0))
+        await asyncio.sleep(0)
+        assert not claim.done()
+        reset.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reset
+        assert isinstance(await claim, Claimed)
+        assert isinstance(await store.claim("k2", "fp", 30.0), Claimed)
+
+    try:
+        uvloop.run(main())
+    finally:
+        store.close()
 
 
 KILLED = """

@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from redis.asyncio import Redis
 
+from tests.garbageredis import garbage_server
 from tests.idempotency import test_idempotency_process as process
 from tests.idempotency.test_idempotency_process import TIMEOUT, WriteApp, counts, post, problem
 from tests.proc import SidecarProcess, start_process
@@ -209,3 +210,94 @@ async def test_a_first_write_is_two_commands_to_redis_one_claim_one_keep(
         await watcher.aclose()
     assert sent == ["EVALSHA", "EVALSHA"]
     assert len(app.writes) == 2
+
+
+async def test_a_write_refused_during_a_redis_stall_leaves_no_claim_for_its_retry(
+    app: WriteApp,
+    tmp_path: Path,
+    proc_stack: list[SidecarProcess],
+    redis: RedisServer,
+) -> None:
+    """Issue 29 item 3: a write refused with 503 ``store-unavailable`` while Redis is paused
+    (SIGSTOP, 1.5 s): its claim script, already sent, runs when Redis resumes, after the
+    sidecar gave up on it. It must not hold the key: the client's retry of a write that never
+    ran reaches the app (not 409 with the whole lease as ``Retry-After``)."""
+    port, _ = await start_in(proc_stack, tmp_path / "a", fleet_config(app, redis))
+    assert (await post(port, key="warm"))[0] == 201  # connection open, scripts loaded
+    redis.pause()
+    try:
+        status, _, made = await post(port, key="stalled")
+        assert status == 503
+        problem(made, "store-unavailable")
+        await asyncio.sleep(1.5 - 0.5)  # the pause: 1.5 s in all (the post took the 500 ms)
+    finally:
+        redis.resume()
+    assert len(app.writes) == 1
+
+    async def retried() -> tuple[int, dict[str, str], bytes]:
+        while True:  # the link's pause after the failure, then Redis answers again
+            got = await post(port, key="stalled")
+            if got[0] != 503:
+                return got
+            await asyncio.sleep(0.1)
+
+    status, headers, body = await asyncio.wait_for(retried(), 15)
+    assert (status, json.loads(body)) == (201, {"write": 2}), headers
+    assert len(app.writes) == 2
+
+
+GARBAGE = {
+    "simple-string": b"+OK\r\n",
+    "integer": b":1\r\n",
+    "short-array": b"*1\r\n:1\r\n",
+    "numbers-not-text": b"*2\r\n:1\r\n:1\r\n",
+    "nested": b"*3\r\n:0\r\n$3\r\n1.5\r\n:7\r\n",
+    "http": b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("on_error", ["refuse", "pass"])
+@pytest.mark.parametrize("garbage", list(GARBAGE))
+async def test_a_redis_that_answers_garbage_is_a_store_error(
+    app: WriteApp,
+    tmp_path: Path,
+    proc_stack: list[SidecarProcess],
+    garbage: str,
+    on_error: str,
+) -> None:
+    """Issue 29 item 4: another server on Redis's port (or a proxy in between) answering
+    replies of the wrong shape: every guarded write gets its route's ``on_store_error`` (503
+    ``store-unavailable``, or on ``pass`` the app runs it exactly once), never 502 ``internal``
+    with a traceback, and ``GET /status`` shows the idempotency link not connected with the
+    error."""
+    async with garbage_server(GARBAGE[garbage]) as port_of_redis:
+        body = (
+            "idempotency: {backend: redis}\n"
+            f'fleet: {{redis: {{url: "redis://127.0.0.1:{port_of_redis}/0", timeout: 500ms}}}}\n'
+            "routes:\n  - name: orders\n"
+            f'    upstream: "http://127.0.0.1:{app.port}"\n'
+            f"    idempotency: {{enabled: true, on_store_error: {on_error}}}\n"
+        )
+        directory = tmp_path / "a"
+        directory.mkdir()
+        proc, port, admin = await start_process(directory, body)
+        proc_stack.append(proc)
+        status, _, made = await post(port, key="k")
+        if on_error == "refuse":
+            assert status == 503, (status, made)
+            problem(made, "store-unavailable")
+            assert app.writes == []
+        else:
+            assert (status, json.loads(made)) == (201, {"write": 1})
+            assert len(app.writes) == 1
+        assert (await counts(admin))["store-error"] == 1
+        async with (
+            aiohttp.ClientSession(timeout=TIMEOUT) as s,
+            s.get(f"http://127.0.0.1:{admin}/status") as r,
+        ):
+            fleet = (await r.json())["process"]["fleet"]["idempotency"]
+        assert fleet["state"] != "connected" and fleet["error"], fleet
+        await asyncio.sleep(0.3)  # a settlement retried in the background meets the same
+        assert len(app.writes) == (1 if on_error == "pass" else 0)
+    log = proc.stderr()
+    assert "Traceback" not in log and "internal" not in log, log[-3000:]

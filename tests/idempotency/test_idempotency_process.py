@@ -546,3 +546,53 @@ async def test_the_sidecars_own_answers_carry_proxy_status_and_date(app, tmp_pat
     again = await raw_request(port, request)
     assert again.startswith(b"HTTP/1.1 204") and b"Idempotent-Replayed: true" in again
     assert b"content-length" not in again.lower(), again
+
+
+@pytest.mark.parametrize("on_error", ["refuse", "pass"])
+async def test_at_its_bound_the_store_refuses_new_keys_by_on_store_error(
+    app: WriteApp, tmp_path: Path, proc_stack: list[SidecarProcess], on_error: str
+) -> None:
+    """Issue 29 item 7: ``idempotency.max_records`` / ``max_bytes`` bound the file. At the
+    bound a new key follows the route's ``on_store_error`` (503 ``store-unavailable``, or the
+    write forwarded unguarded, exactly once) and is counted ``store-full``; the keys it holds
+    are still replayed, and a key forgotten makes room again."""
+    body = (
+        f'idempotency: {{path: "{tmp_path}/keys.sqlite3", max_records: 2, max_bytes: 1MiB}}\n'
+        "routes:\n  - name: orders\n"
+        f'    upstream: "http://127.0.0.1:{app.port}"\n'
+        f"    idempotency: {{enabled: true, on_store_error: {on_error}}}\n"
+    )
+    port, admin = await start(proc_stack, tmp_path, body)
+    assert (await post(port, key="a"))[0] == 201
+    assert (await post(port, key="b"))[0] == 201
+    status, _, made = await post(port, key="c")
+    if on_error == "refuse":
+        assert status == 503
+        problem(made, "store-unavailable")
+        assert len(app.writes) == 2
+    else:
+        assert (status, json.loads(made)) == (201, {"write": 3})
+    status, headers, _ = await post(port, key="a")  # a key it holds: replayed
+    assert (status, headers.get("Idempotent-Replayed")) == (201, "true")
+    seen = await counts(admin)
+    assert (seen["store-full"], seen.get("store-error", 0)) == (1, 0)
+    assert len(app.writes) == (2 if on_error == "refuse" else 3)
+
+
+async def test_max_bytes_bounds_the_kept_answers(
+    app: WriteApp, tmp_path: Path, proc_stack: list[SidecarProcess]
+) -> None:
+    """Past ``max_bytes`` of kept answers, no new key (the answer that crossed it was kept)."""
+    body = (
+        f'idempotency: {{path: "{tmp_path}/keys.sqlite3", max_bytes: 300}}\n'
+        "routes:\n  - name: orders\n"
+        f'    upstream: "http://127.0.0.1:{app.port}"\n'
+        "    idempotency: {enabled: true}\n"
+    )
+    port, admin = await start(proc_stack, tmp_path, body)
+    sent = 0
+    while (status := (await post(port, key=f"k{sent}"))[0]) == 201:
+        sent += 1
+        assert sent < 20, "never refused"
+    assert status == 503 and sent >= 1
+    assert (await counts(admin))["store-full"] == 1
