@@ -41,6 +41,7 @@ Kill = Literal["sidecar", "redis"]
 REDIS_DOWN = 0.3  # seconds redis-server stays dead before it is started again
 RECOVERY_BOUND = 30.0  # seconds for the sidecar to acknowledge again after Redis came back
 PER_ROUND_BOUND = 120.0  # seconds any round may take, whatever hangs
+FIRST_ACK_BOUND = 30.0  # seconds for the sidecar to acknowledge its first write of a round
 
 
 @dataclass
@@ -176,6 +177,14 @@ class Writers:
                         return
                     await asyncio.sleep(0.01)
 
+    async def first_ack(self, bound: float) -> None:
+        """Wait until a write was acknowledged; an error when none was within ``bound`` s."""
+        deadline = time.monotonic() + bound
+        while not self.acked:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no write acknowledged within {bound:g} s")
+            await asyncio.sleep(0.01)
+
     async def finish(self) -> None:
         self.stop.set()
         await asyncio.gather(*self.tasks)
@@ -222,6 +231,10 @@ async def one_round(
     try:
         await proc.wait_port(port)
         writers = Writers(port, clients)
+        # The kill comes ``kill_after`` past the first acknowledged write, never before it: a
+        # round killed before anything was stored proves nothing (on a loaded machine the first
+        # 202 may take longer than any fixed pause).
+        await writers.first_ack(FIRST_ACK_BOUND)
         await asyncio.sleep(kill_after)
         assert proc.proc is not None
         if kill == "sidecar":
