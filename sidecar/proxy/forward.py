@@ -25,6 +25,9 @@ HOP_BY_HOP = frozenset(
         b"proxy-connection",
         b"proxy-authenticate",
         b"proxy-authorization",
+        # RFC 7540 section 3.2.1: a connection-specific field of an h2c upgrade, which the
+        # sidecar never acts on (proxy/tunnel.py): dropped even when Connection omits it.
+        b"http2-settings",
     }
 )
 # Re-framed by the sidecar itself, or handled by its server (100-continue).
