@@ -81,9 +81,7 @@ def asks_h2c(value: str) -> bool:
     3.2). Never tunnelled: after a 101 the client's HTTP/2 frames would reach the upstream
     past the routing rules. The request is answered as HTTP/1.1 without its Upgrade (its
     ``HTTP2-Settings`` is hop-by-hop, ``forward.HOP_BY_HOP``), as nginx does."""
-    return any(
-        token.split("/", 1)[0].strip().lower() == "h2c" for token in value.split(",")
-    )
+    return any(token.split("/", 1)[0].strip().lower() == "h2c" for token in value.split(","))
 
 
 def upgrade_headers(value: bytes) -> list[tuple[bytes, bytes]]:
