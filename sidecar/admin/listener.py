@@ -14,13 +14,25 @@ version range in pyproject.toml and covered by tests/admin/test_admin_guard.py.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-from sidecar.jsonapi import error
+from sidecar.admin.server import SECURITY_HEADERS
+from sidecar.proxy.respond import SidecarResponse
 from sidecar.proxy.server import GuardedRequestHandler, SidecarServer
+
+
+def refusal(status: int, message: str) -> web.Response:
+    """The listener's own refusals (400, 408, 431: no handler ran, so no ``on_response_prepare``
+    either): the admin's JSON error with ``SECURITY_HEADERS``, no ``Server`` banner."""
+    return SidecarResponse(
+        status=status,
+        body=json.dumps({"error": message}).encode(),
+        headers={"Content-Type": "application/json", **SECURITY_HEADERS},
+    )
 
 
 class AdminRunner(web.AppRunner):
@@ -54,7 +66,7 @@ class AdminRunner(web.AppRunner):
             header_timeout=self._header_timeout,
             send_timeout=self._send_timeout,
             on_malformed=lambda reason: None,  # malformed_requests_total counts the proxy's
-            refuse=error,
+            refuse=refusal,
             request_factory=plain.request_factory,
             keepalive_timeout=self._keepalive_timeout,
             access_log=None,
