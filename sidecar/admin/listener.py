@@ -1,7 +1,8 @@
 """The admin listener's server: the admin application served by the same guarded aiohttp
 server as the proxy listener (``proxy/server.SidecarServer``), so a client of the admin port
 meets the proxy's limits: a request head must be complete within ``limits.header_timeout``
-(408), a connection idle between requests is closed after ``limits.keepalive_timeout``, a
+(408; a connection's first head from accept, so one that never sends a byte is closed), a
+connection idle between requests is closed after ``limits.keepalive_timeout``, a
 client that takes no response bytes is cut after ``limits.send_timeout``, and a malformed
 request gets a 400 or 431 without a traceback in the log. aiohttp's own server has none of
 the first three (its keep-alive default is an hour).
