@@ -23,7 +23,7 @@ from sidecar.admin.fmt import when
 from sidecar.admin.formauth import FormRefused, Nonces, check_token
 from sidecar.admin.killswitch import BadRequest, audit_lift, audit_set, check_set
 from sidecar.admin.render import REFRESH_CHOICES, Notice, View
-from sidecar.admin.server import FormRoute
+from sidecar.admin.server import SECURITY_HEADERS, FormRoute
 from sidecar.admin.snapshot import (
     DEFAULT_WINDOW,
     WINDOWS,
@@ -81,11 +81,9 @@ def html(text: str, status: int = 200) -> web.Response:
         content_type="text/html",
         charset="utf-8",
         headers={
+            **SECURITY_HEADERS,
             "Content-Security-Policy": render.CSP,
-            "X-Frame-Options": "DENY",
-            "X-Content-Type-Options": "nosniff",
             "Referrer-Policy": "same-origin",
-            "Cache-Control": "no-store",
         },
     )
 

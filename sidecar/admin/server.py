@@ -47,6 +47,15 @@ audit = logging.getLogger("sidecar.audit")
 
 MAX_ADMIN_BODY = 64 * 1024
 JSON_TYPE = "application/json"
+# What every admin answer carries unless its handler set its own (the status page sets a CSP
+# with its style hash): no framing, no MIME sniffing, no copy kept by a browser or a proxy
+# (DLQ bodies, the config, the status are no one else's to cache). No ``Server`` banner.
+SECURITY_HEADERS = {
+    "X-Frame-Options": "DENY",
+    "Content-Security-Policy": "default-src 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-store",
+}
 # Routes that authenticate the request themselves: (method, path, handler).
 FormRoute = tuple[str, str, Handler]
 
@@ -76,6 +85,17 @@ class AdminDeps:
     stats: Callable[[], dict[str, Any]] = dict
     # A refused token: (who, via, call); counted and logged (auth.FailedLogins).
     failed_login: Callable[[str, str, str], None] = lambda who, via, call: None
+
+
+async def secure_answer(request: web.Request, resp: web.StreamResponse) -> None:
+    """``on_response_prepare``: every answer the admin application makes (its handlers', the
+    guard's refusals, the DLQ's and idempotency endpoints') gets ``SECURITY_HEADERS`` and no
+    ``Server`` banner, as the proxy's own answers. (The listener's own refusals, 400, 408 and
+    431 before any handler, are made by ``listener.refusal``.)"""
+    headers = resp.headers
+    for name, value in SECURITY_HEADERS.items():
+        headers.setdefault(name, value)
+    headers.popall("Server", None)
 
 
 def switch_json(s: Switch) -> dict[str, Any]:
@@ -319,6 +339,7 @@ def build_admin_app(
         return error(404, f"no admin endpoint {request.method} {request.path}")
 
     app = web.Application(middlewares=[guard], client_max_size=MAX_ADMIN_BODY)
+    app.on_response_prepare.append(secure_answer)
     r = app.router
     r.add_get("/healthz", healthz)
     r.add_get("/readyz", readyz)

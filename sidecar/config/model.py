@@ -261,7 +261,10 @@ class Limits:
         10.0,
         c.positive_duration,
         unit="duration",
-        help="a request head must arrive within this, from its first byte; 408 otherwise",
+        help=(
+            "a request head must arrive within this: a connection's first from accept (one "
+            "that sends nothing is closed), a later one from its first byte; 408 otherwise"
+        ),
     )
     body_idle_timeout: float = key(
         30.0,

@@ -252,7 +252,7 @@ class Sequence:
             deps.tracing,
             ex.span,
             ex.method,
-            edge_head(ex.method, ex.target, ex.headers, edge_value),
+            edge_head(ex.method, ex.target, ex.headers, edge_value, traced=ex.span is not None),
             body=ex.body,
             chunked=ex.chunked,
             deadline=ex.deadline,

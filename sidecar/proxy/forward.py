@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from sidecar.engine.head import EDGE_MEMBER, TRACESTATE_KEY
+from sidecar.engine.head import EDGE_MEMBER, TRACEPARENT, TRACESTATE_KEY, valid_traceparent
 
 RawHeaders = Iterable[tuple[bytes, bytes]]
 
@@ -25,6 +25,9 @@ HOP_BY_HOP = frozenset(
         b"proxy-connection",
         b"proxy-authenticate",
         b"proxy-authorization",
+        # RFC 7540 section 3.2.1: a connection-specific field of an h2c upgrade, which the
+        # sidecar never acts on (proxy/tunnel.py): dropped even when Connection omits it.
+        b"http2-settings",
     }
 )
 # Re-framed by the sidecar itself, or handled by its server (100-continue).
@@ -99,6 +102,7 @@ def request_headers(
     proto: bytes | None = None
     fwd_host: bytes | None = None
     tracestate: list[bytes] = []
+    traceparent: list[bytes] = []
     named: list[bytes] | None = None  # the Connection header values, rarely more than one
     for k, v in raw:
         lk = k.lower()
@@ -114,6 +118,8 @@ def request_headers(
         if lk == b"tracestate":
             tracestate.append(v)
             continue
+        if lk == TRACEPARENT:
+            traceparent.append(v)  # and passed on as it came
         if lk == b"x-forwarded-for":
             xff.append(v)
             continue
@@ -144,17 +150,20 @@ def request_headers(
     if named is not None:
         out = _drop_named(out, named)
     if tracestate:
-        members = [
-            m for m in _split_tracestate(tracestate) if not m.startswith(TRACESTATE_KEY + b"=")
-        ]
         if (
             trusted
             and edge is None
             and any(m.strip() == EDGE_MEMBER for m in _split_tracestate(tracestate))
         ):
             edge = b"tracestate"
-        if members:
-            out.append((b"tracestate", b",".join(members)))
+        # W3C Trace Context section 4.2: a tracestate belongs to its traceparent; without
+        # one valid traceparent it is discarded, never sent upstream on its own.
+        if len(traceparent) == 1 and valid_traceparent(traceparent[0]):
+            members = [
+                m for m in _split_tracestate(tracestate) if not m.startswith(TRACESTATE_KEY + b"=")
+            ]
+            if members:
+                out.append((b"tracestate", b",".join(members)))
     xff.append(peer.encode("ascii", "replace"))
     out.append((b"X-Forwarded-For", b", ".join(xff)))
     out.append((b"X-Forwarded-Proto", proto or scheme))

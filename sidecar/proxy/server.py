@@ -103,6 +103,7 @@ class GuardedRequestHandler(RequestHandler):
         self._peer = ""  # the client's address, read once per connection
         self.tunnel: TunnelEnd | None = None  # set while an upgraded connection is relayed
         self._method: str | None = None  # the method stood in for in the head being parsed
+        self._heard = False  # a byte has come on this connection
 
     def peer(self) -> str:
         """The client's address. Kept for the connection's life: uvloop asks the kernel
@@ -113,10 +114,19 @@ class GuardedRequestHandler(RequestHandler):
 
     # -- the head deadline ------------------------------------------------------------------
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """The first head's deadline runs from accept (as nginx's ``client_header_timeout``):
+        a connection that never sends a byte is closed after ``limits.header_timeout``, not
+        held until ``keepalive_timeout``."""
+        super().connection_made(transport)
+        self._head_timer = self._loop.call_later(self._guard.header_timeout(), self._head_timed_out)
+
     def data_received(self, data: bytes) -> None:
         """Hand the parser one request at a time (``framing.RequestFraming``): a request
         that closes the connection is parsed with exactly its own body, however many reads
         that body takes, and whatever follows it is ignored (RFC 9112 section 9.6)."""
+        if data:
+            self._heard = True
         if self.tunnel is not None:
             # Straight to the tunnel, also once a drain has begun (aiohttp then drops what a
             # connection sends: its requests are over, a tunnel is not).
@@ -277,6 +287,12 @@ class GuardedRequestHandler(RequestHandler):
         if self.in_request or self.transport is None:
             return
         transport = self.transport  # force_close() may drop self.transport
+        if not self._heard:
+            # Not a byte since accept (a pre-connect, an idle or hostile client): closed
+            # without an answer nobody asked for, as nginx does; not a malformed request.
+            self.force_close()
+            transport.close()
+            return
         self._guard.count("header-timeout")
         self._guard.warn("request head not complete within the header timeout; closing")
         answer = self._guard.refuse(408, "the request head took too long to arrive")

@@ -62,11 +62,11 @@ class Tunnels:
 def upgrade_wanted(request: web.BaseRequest, route: Route) -> bytes | None:
     """The ``Upgrade`` value of a request that asks for a tunnel on ``route``, else None.
     HTTP/1.0 upgrades are ignored (RFC 9110 section 7.8), as are those with a body: the
-    body framing and the switch would share one connection."""
+    body framing and the switch would share one connection; and any that offers ``h2c``."""
     if not route.upgrade.enabled or request.version != HttpVersion11 or request.body_exists:
         return None
     value = request.headers.get("Upgrade")
-    if not value or not value.strip():
+    if not value or not value.strip() or asks_h2c(value):
         return None
     named = forward.connection_named(
         (b"connection", v.encode("latin-1")) for v in request.headers.getall("Connection", ())
@@ -74,6 +74,14 @@ def upgrade_wanted(request: web.BaseRequest, route: Route) -> bytes | None:
     if b"upgrade" not in named:
         return None
     return value.encode("latin-1")
+
+
+def asks_h2c(value: str) -> bool:
+    """Whether an ``Upgrade`` value offers ``h2c`` (HTTP/2 over cleartext, RFC 7540 section
+    3.2). Never tunnelled: after a 101 the client's HTTP/2 frames would reach the upstream
+    past the routing rules. The request is answered as HTTP/1.1 without its Upgrade (its
+    ``HTTP2-Settings`` is hop-by-hop, ``forward.HOP_BY_HOP``), as nginx does."""
+    return any(token.split("/", 1)[0].strip().lower() == "h2c" for token in value.split(","))
 
 
 def upgrade_headers(value: bytes) -> list[tuple[bytes, bytes]]:

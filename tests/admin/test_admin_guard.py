@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import aiohttp
@@ -102,6 +103,26 @@ def verdict(method: str, status: int, text: str) -> str | None:
     return None
 
 
+def unsafe_headers(headers: Mapping[str, str]) -> list[str]:
+    """What an admin answer lacks of the page security headers, or carries that it must not
+    (issue 29 item 10): every answer, refusals included, is neither framed, sniffed, cached
+    nor signed with a ``Server`` banner."""
+    wrong = [
+        f"no {name}: {value}"
+        for name, value in (
+            ("X-Frame-Options", "DENY"),
+            ("X-Content-Type-Options", "nosniff"),
+            ("Cache-Control", "no-store"),
+        )
+        if headers.get(name) != value
+    ]
+    if "frame-ancestors 'none'" not in headers.get("Content-Security-Policy", ""):
+        wrong.append("no CSP frame-ancestors 'none'")
+    if "Server" in headers:
+        wrong.append(f"Server: {headers['Server']}")
+    return wrong
+
+
 async def _matrix(sc: Sidecar, token_set: bool) -> int:
     assert sc._admin_runner is not None
     app = sc._admin_runner.app
@@ -136,12 +157,15 @@ async def _matrix(sc: Sidecar, token_set: bool) -> int:
                     allow_redirects=False,
                 ) as resp:
                     got = verdict(method, resp.status, await resp.text())
+                    unsafe = unsafe_headers(resp.headers)
                 want = expected(method, canonical, token_set, foreign, origin, site, body_type)
                 if method == "HEAD" and want == "origin":
                     want = "site"  # both 403, and a HEAD answer has no message to tell them
                 n += 1
                 if got != want:
                     wrong.append(f"{method} {path} {headers}: {resp.status} {got!r}, not {want!r}")
+                if unsafe:
+                    wrong.append(f"{method} {path} {headers}: {resp.status} {unsafe}")
     assert wrong == [], f"{len(wrong)} of {n} wrong:\n" + "\n".join(wrong[:20])
     return n
 
@@ -150,7 +174,9 @@ async def test_every_admin_endpoint_refuses_rebinding_and_cross_site_requests(
     upstream_factory, sidecar_factory, monkeypatch, tmp_path
 ):
     """Finding 17, crossed over the real router's routes: {no token, token} x {loopback,
-    foreign Host} x {no, same, foreign Origin} x Sec-Fetch-Site x body types."""
+    foreign Host} x {no, same, foreign Origin} x Sec-Fetch-Site x body types. Every answer,
+    each refusal (421, 403, 401, 415) and each endpoint's own, carries the page security
+    headers and ``Cache-Control: no-store`` and no ``Server`` banner (issue 29 item 10)."""
     up = await upstream_factory(reply(200))
     monkeypatch.delenv("RETRY_SIDECAR_ADMIN_TOKEN", raising=False)
     open_sc = await sidecar_factory(routes_yaml(up.url))
@@ -464,6 +490,80 @@ async def test_the_admin_listener_cuts_a_second_unfinished_head_asyncio(
     finally:
         w.close()
     await asyncio.wait_for(_held_connections(sc.sidecar.admin_port, 20, b"GET / HTTP/1.1\r\n"), 15)
+
+
+async def _silent_connections_closed(port: int, n: int) -> int:
+    """Open n connections that never send a byte; how many the listener closed (EOF, and not
+    a byte written: no answer to a request nobody sent)."""
+    conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(n)]
+    try:
+        answers = await asyncio.gather(*(r.read() for r, _ in conns))
+        return sum(1 for a in answers if a == b"")
+    finally:
+        for _, w in conns:
+            w.close()
+
+
+async def test_connections_that_never_send_a_byte_are_closed_after_the_head_timeout(
+    upstream_factory, tmp_path
+):
+    """Issue 29 item 10, the real process: 100 of 200 admin connections that never sent a
+    byte were still open after 6 s with ``header_timeout: 2s`` (only ``keepalive_timeout``,
+    75 s, would close them). The head deadline now runs from accept, on the admin listener
+    and the proxy's: all 50 closed on each (the bound on the wait is 60 s, below 75 s)."""
+    up = await upstream_factory(reply(200))
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(
+        routes_yaml(
+            up.url,
+            top_extra="limits: {header_timeout: 500ms}",
+            admin=f'admin: {{listen: "127.0.0.1:{admin}"}}',
+        ).replace('listen: "127.0.0.1:0"', f'listen: "127.0.0.1:{port}"', 1)
+    )
+    proc = SidecarProcess(cfg)
+    proc.start()
+    try:
+        await proc.wait_port(port, admin)
+        closed = await asyncio.wait_for(
+            asyncio.gather(
+                _silent_connections_closed(admin, 50), _silent_connections_closed(port, 50)
+            ),
+            60,
+        )
+        assert closed == [50, 50]
+        # A connection that speaks within the deadline is answered as before.
+        out = await raw_request(admin, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 5)
+        assert out.startswith(b"HTTP/1.1 200 ")
+    finally:
+        proc.terminate()
+
+
+LISTENER_REFUSALS = {
+    # the listener's own answers, made before any handler runs
+    "malformed (400)": (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header\r\n\r\n", 400),
+    "too large (431)": (
+        b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX: " + b"a" * 9000 + b"\r\n\r\n",
+        431,
+    ),
+    "head too slow (408)": (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX: ", 408),
+}
+
+
+@pytest.mark.parametrize("case", list(LISTENER_REFUSALS))
+async def test_the_admin_listeners_own_refusals_carry_the_security_headers(
+    upstream_factory, sidecar_factory, case: str
+):
+    """Issue 29 item 10: the 400, 408 and 431 the admin listener makes itself (no handler,
+    no ``on_response_prepare``) carry the page security headers too, and no ``Server``."""
+    data, status = LISTENER_REFUSALS[case]
+    up = await upstream_factory(reply(200))
+    sc = await sidecar_factory(routes_yaml(up.url, top_extra="limits: {header_timeout: 300ms}"))
+    out = await raw_request(sc.sidecar.admin_port, data, 10)
+    head = out.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+    assert head[0].split(" ")[1] == str(status), out[:200]
+    headers = dict(line.split(": ", 1) for line in head[1:])
+    assert unsafe_headers(headers) == []
 
 
 STALLED_FORM = (

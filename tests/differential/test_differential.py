@@ -11,6 +11,7 @@ One gunicorn, one nginx and one sidecar process serve the whole module.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
 import sqlite3
@@ -595,6 +596,76 @@ def test_raw_non_ascii_bytes_in_the_target_are_forwarded_as_sent(
         assert [g.target.encode("latin-1") for g in seen] == [target, b"/raw/next"]
     assert results[0][0] == [200, 200]
     assert results[1] == results[0]
+
+
+# ``Upgrade: h2c`` (curl --http2 to an http:// URL, or a probe): never acted on. The request is
+# answered as HTTP/1.1 and goes upstream without Upgrade and HTTP2-Settings, as nginx sends it;
+# bodiless (the case a 101 would turn into a tunnel) and with a body, in each variant.
+H2C_SETTINGS = b"AAMAAABkAAQCAAAAAAIAAAAA"
+
+
+def _h2c_request(variant: str, body: bytes, tag: str) -> tuple[bytes, int]:
+    version = b"HTTP/1.0" if variant == "http10" else b"HTTP/1.1"
+    connection = b"Upgrade, HTTP2-Settings" + (b", close" if variant == "close" else b"")
+    target = b"/up/h2c-" + tag.encode() if body else b"/raw/h2c-" + tag.encode()
+    head = b"%s %s %s\r\nHost: up.test\r\nConnection: %s\r\nUpgrade: h2c\r\n" % (
+        b"POST" if body else b"GET",
+        target,
+        version,
+        connection,
+    )
+    head += b"HTTP2-Settings: %s\r\nX-Case: %s\r\n" % (H2C_SETTINGS, tag.encode())
+    if body:
+        head += b"Content-Length: %d\r\n" % len(body)
+    head += b"\r\n"
+    after = NEXT if variant == "keepalive" else AFTER_CLOSE
+    if not body:
+        after = after.replace(b" /", b" /raw/", 1)
+    return head + body + after, len(head)
+
+
+def _received_with_upgrade(
+    got: d.Received, leave_out: frozenset[str] = frozenset()
+) -> tuple[str, str, list[tuple[str, str]], str]:
+    """What the upstream got (method, target, headers, body digest), ``Upgrade`` and
+    ``HTTP2-Settings`` included (the comparison of the upload cases leaves ``Upgrade`` out as
+    hop-by-hop); ``Connection``, the sidecar's documented additions and ``leave_out`` not."""
+    ignored = d.REQUEST_ADDITIONS | {"content-length", "transfer-encoding"} | leave_out
+    headers = [(k.lower(), v) for k, v in got.headers if k.lower() not in ignored]
+    return got.method, got.target, headers, hashlib.sha256(got.body).hexdigest()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", ("random", "bytewise", "whole"))
+@pytest.mark.parametrize("body", (b"", b"hello h2c"), ids=("bodiless", "body"))
+@pytest.mark.parametrize("variant", UPLOAD_VARIANTS)
+def test_an_h2c_upgrade_reaches_the_upstream_as_nginx_sends_it(
+    upload_world: UploadWorld, variant: str, body: bytes, split: str
+):
+    """Issue 29 item 9: the sidecar sent ``Upgrade: h2c`` upstream and, on the upstream's
+    101, tunnelled the client's HTTP/2 frames past the routing rules. nginx answers as
+    HTTP/1.1 and forwards no Upgrade; the sidecar now does the same. One documented
+    difference stays: nginx forwards ``HTTP2-Settings`` (named by Connection, and
+    connection-specific in RFC 7540), the sidecar drops it."""
+    tag = f"{variant}-{len(body)}-{split}"
+    data, head_len = _h2c_request(variant, body, tag)
+    methods = ["POST" if body else "GET", "GET"] if variant == "keepalive" else ["GET"]
+    results = []
+    for port in (upload_world.nginx_port, upload_world.sidecar_port):
+        pieces = _pieces(data, head_len, split, random.Random(tag))
+        raw = d.send_in_pieces(port, pieces)
+        replies = d.parse_responses(raw, methods)
+        assert all(r.header(b"upgrade") is None for r in replies), raw[:300]
+        # The documented difference: nginx passes HTTP2-Settings on, the sidecar never.
+        ngx = port == upload_world.nginx_port
+        leave_out = frozenset({"http2-settings"} if ngx else ())
+        seen = [_received_with_upgrade(g, leave_out) for g in upload_world.upstream.take()]
+        results.append(([r.status for r in replies], seen))
+    (ngx_status, ngx_seen), (sc_status, sc_seen) = results
+    assert ngx_status == [200] * len(methods), ngx_status
+    assert sc_status == ngx_status
+    assert sc_seen == ngx_seen
+    assert all(k not in ("upgrade", "http2-settings") for k, _ in sc_seen[0][2])
 
 
 DLQ_CASES = [

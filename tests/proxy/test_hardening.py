@@ -251,7 +251,8 @@ async def test_connection_header_cannot_remove_the_sidecars_headers(
     up, sc = await proxy(upstream_factory, sidecar_factory)
     req = (
         b"GET / HTTP/1.1\r\nHost: h\r\nConnection: close, x-retry-edge, x-request-timeout-ms, "
-        b"x-forwarded-for, tracestate\r\nX-Forwarded-For: 1.2.3.4\r\n\r\n"
+        b"x-forwarded-for, tracestate\r\nX-Forwarded-For: 1.2.3.4\r\n"
+        b"traceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\n\r\n"
     )
     out = await raw_request(sc.sidecar.proxy_port, req, 3.0)
     assert status_of(out) == 200

@@ -29,6 +29,7 @@ SPECIAL = st.sampled_from(
         "x-request-timeout-ms",
         "x-forwarded-for",
         "tracestate",
+        "traceparent",
         "host",
         "content-length",
         "expect",
@@ -77,26 +78,53 @@ def test_response_headers_drop_hop_by_hop_and_connection_named(raw):
     assert kept == out
 
 
+VALID_PARENT = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
 @settings(max_examples=200)
-@given(HEADERS, st.sampled_from([b"edge-a", b"outer"]))
-def test_edge_head_puts_the_edge_member_first_once(raw, edge):
-    head_bytes = head.edge_head("GET", "/p", raw, edge)
+@given(HEADERS, st.sampled_from([b"edge-a", b"outer"]), st.booleans(), st.integers(0, 2))
+def test_edge_head_puts_the_edge_member_first_once_with_a_traceparent(raw, edge, traced, parents):
+    """The tracestate (edge member first) goes only with a traceparent: one valid in the
+    headers, or ``traced`` (the attempt adds its own); never alone (W3C section 4.2)."""
+    raw = raw + [(b"traceparent", VALID_PARENT)] * parents
+    head_bytes = head.edge_head("GET", "/p", raw, edge, traced=traced)
     lines = head_bytes.split(b"\r\n")
     assert lines[0] == b"GET /p HTTP/1.1" and lines[-1] == b""
     fields = [tuple(line.split(b": ", 1)) for line in lines[1:-1]]
     ts = [v for k, v in fields if k == b"tracestate"]
-    assert len(ts) == 1 and ts[0].startswith(head.EDGE_MEMBER)
-    assert len(ts[0].split(b",")) <= head.MAX_TRACESTATE_MEMBERS
-    assert fields[-2] == (b"x-retry-edge", edge)
-    # Every other field goes out as it came, in its order.
-    assert fields[:-2] == [(k, v) for k, v in raw if k != b"tracestate"]
+    # Every other field goes out as it came, in its order, then the edge marker.
+    sent = [v for k, v in raw if k.lower() == b"traceparent"]
+    if traced or (len(sent) == 1 and head.valid_traceparent(sent[0])):
+        assert len(ts) == 1 and ts[0].startswith(head.EDGE_MEMBER)
+        assert len(ts[0].split(b",")) <= head.MAX_TRACESTATE_MEMBERS
+        assert fields[-2] == (b"x-retry-edge", edge)
+        assert fields[:-2] == [(k, v) for k, v in raw if k != b"tracestate"]
+    else:
+        assert ts == []
+        assert fields[-1] == (b"x-retry-edge", edge)
+        assert fields[:-1] == [(k, v) for k, v in raw if k != b"tracestate"]
+
+
+def test_valid_traceparent():
+    assert head.valid_traceparent(VALID_PARENT)
+    assert head.valid_traceparent(b"01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-x")
+    for bad in (
+        b"",
+        b"ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-x",
+        b"00-" + b"0" * 32 + b"-b7ad6b7169203331-01",
+        b"00-0af7651916cd43dd8448eb211c80319c-" + b"0" * 16 + b"-01",
+        b"00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
+        b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-1",
+    ):
+        assert not head.valid_traceparent(bad), bad
 
 
 def _request_headers_two_passes(raw, peer, trusted):
     """The plain form of forward.request_headers (Connection-named fields found first, then
     one filtering pass), kept here as the oracle for its one-pass form."""
     named = forward.connection_named(raw)
-    out, xff, ts = [], [], []
+    out, xff, ts, parents = [], [], [], []
     edge = host = proto = fwd_host = None
     timeouts: list[bytes] = []
     for k, v in raw:
@@ -112,6 +140,10 @@ def _request_headers_two_passes(raw, peer, trusted):
             ts.append(v)
         elif lk == b"x-forwarded-for":
             xff.append(v)
+        elif lk == b"traceparent":
+            parents.append(v)  # counted even when Connection names it (then not sent)
+            if lk not in named:
+                out.append((k, v))
         elif lk == b"x-forwarded-proto":
             proto = v if trusted else proto
         elif lk == b"x-forwarded-host":
@@ -131,7 +163,7 @@ def _request_headers_two_passes(raw, peer, trusted):
     if trusted and edge is None and head.EDGE_MEMBER in members:
         edge = b"tracestate"
     members = [m for m in members if not m.startswith(head.TRACESTATE_KEY + b"=")]
-    if members:
+    if members and len(parents) == 1 and head.valid_traceparent(parents[0]):
         out.append((b"tracestate", b",".join(members)))
     out.append((b"X-Forwarded-For", b", ".join([*xff, peer.encode()])))
     out.append((b"X-Forwarded-Proto", proto or b"http"))
@@ -142,8 +174,9 @@ def _request_headers_two_passes(raw, peer, trusted):
 
 
 @settings(max_examples=400)
-@given(HEADERS, st.booleans())
-def test_one_pass_request_headers_equal_the_two_pass_form(raw, trusted):
+@given(HEADERS, st.booleans(), st.integers(0, 2))
+def test_one_pass_request_headers_equal_the_two_pass_form(raw, trusted, parents):
+    raw = raw + [(b"traceparent", VALID_PARENT)] * parents
     assert forward.request_headers(raw, "10.0.0.9", trusted) == _request_headers_two_passes(
         raw, "10.0.0.9", trusted
     )

@@ -6,6 +6,9 @@ tunnel (h2c with a body, an upgrade the upstream refuses), in-process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import random
 import re
 import signal
 import urllib.request
@@ -20,7 +23,7 @@ from aiohttp import web
 
 from tests.conftest import reply, routes_yaml
 from tests.proc import SidecarProcess, free_port
-from tests.rawhttp import raw_request
+from tests.rawhttp import raw_request, raw_server, read_head
 from tests.wait import until
 
 MIB = bytes(range(256)) * 4096
@@ -286,3 +289,87 @@ async def test_an_upgrade_the_upstream_refuses_ends_not_retryable(
     assert out.startswith(b"HTTP/1.1 503"), out[:200]
     assert b"x-retry-fate: not-retryable" in out.lower()
     assert len(up.seen) == 1
+
+
+# -- h2c: never acted on, never tunnelled ------------------------------------------------------
+
+H2C_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+# A SETTINGS frame, then a HEADERS frame for a path no route would serve (bytes as sent).
+H2C_FRAMES = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00" + b"\x00\x00\x05\x01\x04\x00\x00\x00\x01/adm"
+
+
+def _h2c_upgrade(variant: str) -> bytes:
+    version = b"HTTP/1.0" if variant == "http10" else b"HTTP/1.1"
+    connection = b"Upgrade, HTTP2-Settings" + (b", close" if variant == "close" else b"")
+    return (
+        b"GET /h2c HTTP/1.1\r\nHost: t\r\nConnection: %s\r\nUpgrade: h2c\r\n"
+        b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n" % connection
+    ).replace(b"HTTP/1.1", version, 1)
+
+
+@pytest.mark.parametrize("pipelined", (False, True), ids=("after-the-answer", "pipelined"))
+@pytest.mark.parametrize("variant", ("keepalive", "close", "http10"))
+async def test_no_http2_preface_reaches_the_upstream_after_an_h2c_upgrade(
+    tmp_path: Path, variant: str, pipelined: bool
+) -> None:
+    """Issue 29 item 9, on raw sockets: an upstream that answers ``Upgrade: h2c`` with 101
+    got the client's HTTP/2 preface and frames through the tunnel the sidecar opened. Now the
+    upstream is asked without Upgrade (it answers 200) and no preface byte reaches it, whether
+    the client sends it after the answer or pipelined behind the request, split at random
+    byte boundaries."""
+    received: list[bytes] = []
+
+    async def upstream(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        head = await read_head(r)
+        received.append(head)
+        if b"upgrade: h2c" in head.lower():
+            w.write(
+                b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n"
+            )
+            await w.drain()
+            while chunk := await r.read(65536):  # what a tunnel would carry
+                received.append(chunk)
+            return
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await w.drain()
+        while chunk := await r.read(65536):
+            received.append(chunk)
+
+    rng = random.Random(f"{variant}-{pipelined}")
+    request = _h2c_upgrade(variant)
+    async with raw_server(upstream) as up, sidecar(tmp_path, up) as (port, _, _):
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            data = request + (H2C_PREFACE + H2C_FRAMES if pipelined else b"")
+            cuts = sorted({0, len(data), *rng.sample(range(1, len(data)), 6)})
+            with contextlib.suppress(ConnectionError):  # HTTP/1.0: answered and closed
+                for a, b in itertools.pairwise(cuts):
+                    w.write(data[a:b])
+                    await w.drain()
+                    await asyncio.sleep(0.002)
+            try:
+                answer = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                # Answered and closed while the preface was still being written: the kernel
+                # may reset the connection before the client reads the answer.
+                assert pipelined and variant != "keepalive"
+            else:
+                assert answer.startswith((b"HTTP/1.1 200 ", b"HTTP/1.0 200 ")), answer
+                assert b"upgrade" not in answer.lower()
+            if not pipelined:
+                with contextlib.suppress(ConnectionError):
+                    w.write(H2C_PREFACE + H2C_FRAMES)
+                    await w.drain()
+            # The rest of the exchange: the sidecar refuses the preface as HTTP/1.1 (400) or
+            # has closed the connection already (close, HTTP/1.0).
+            with contextlib.suppress(ConnectionError):
+                await asyncio.wait_for(r.read(), 10)
+        finally:
+            w.close()
+        await asyncio.sleep(0.2)  # anything a tunnel would carry has arrived by now
+    upstream_bytes = b"".join(received)
+    assert upstream_bytes.count(b"GET /h2c ") == 1
+    assert (
+        b"upgrade" not in upstream_bytes.lower() and b"http2-settings" not in upstream_bytes.lower()
+    )
+    assert b"PRI * HTTP/2.0" not in upstream_bytes and b"/adm" not in upstream_bytes

@@ -3,6 +3,11 @@ CLIENT span per attempt, each attempt's span the parent the upstream sees."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import random
+
+import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -110,3 +115,89 @@ async def test_a_hedge_and_the_adaptive_timeout_are_in_the_spans(
     assert len(attempts) == 2 and len(hedges) == 1
     assert hedges[0].attributes is not None
     assert hedges[0].attributes["server.address"] == f"127.0.0.1:{up.port}"
+
+
+# -- tracestate goes upstream only with a traceparent (W3C Trace Context section 4.2) ----------
+
+CLIENT_STATE = "vendor=abc,retry-sidecar=forged,other=1"
+TRACE_CASES = {
+    # name: (the client's trace headers, with tracing off: the traceparent and tracestate the
+    # upstream gets; None: no such field)
+    "none": ((), (None, None)),
+    "tracestate-alone": ((("tracestate", CLIENT_STATE),), (None, None)),
+    "traceparent-alone": ((("traceparent", INCOMING),), (INCOMING, "retry-sidecar=edge")),
+    "both": (
+        (("traceparent", INCOMING), ("tracestate", CLIENT_STATE)),
+        (INCOMING, "retry-sidecar=edge,vendor=abc,other=1"),
+    ),
+    "invalid-traceparent": (
+        (("traceparent", "00-" + "0" * 32 + "-b7ad6b7169203331-01"), ("tracestate", CLIENT_STATE)),
+        ("00-" + "0" * 32 + "-b7ad6b7169203331-01", None),
+    ),
+    "two-traceparents": (
+        (("traceparent", INCOMING), ("traceparent", INCOMING), ("tracestate", CLIENT_STATE)),
+        (f"{INCOMING}, {INCOMING}", None),
+    ),
+}
+VARIANTS = ("keepalive", "close", "http10")
+
+
+def _traced_request(variant: str, fields: tuple[tuple[str, str], ...]) -> bytes:
+    version = b"HTTP/1.0" if variant == "http10" else b"HTTP/1.1"
+    head = b"GET /t HTTP/1.1\r\nHost: h\r\n".replace(b"HTTP/1.1", version, 1)
+    head += b"".join(f"{k}: {v}\r\n".encode() for k, v in fields)
+    if variant != "keepalive":
+        head += b"Connection: close\r\n"
+    return head + b"\r\n"
+
+
+async def _send_split(port: int, data: bytes, rng: random.Random) -> bytes:
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        cuts = sorted({0, len(data), *rng.sample(range(1, len(data)), 5)})
+        for a, b in itertools.pairwise(cuts):
+            w.write(data[a:b])
+            await w.drain()
+            await asyncio.sleep(0.001)
+        return await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 10)
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("traced", (False, True), ids=("tracing-off", "tracing-on"))
+async def test_tracestate_goes_upstream_only_with_a_traceparent(
+    upstream_factory, sidecar_factory, traced: bool
+):
+    """Issue 29 item 12: with tracing off a request without traceparent went upstream with
+    ``tracestate: retry-sidecar=edge`` (plus the client's tracestate) and no traceparent,
+    which a W3C tracer discards. Now the tracestate (the edge member first, the client's
+    members after it, its forged ``retry-sidecar`` member dropped) goes only with a
+    traceparent: the client's valid one passed through with tracing off, the attempt's with
+    tracing on; the edge marker always travels in ``x-retry-edge``. Every case in HTTP/1.1
+    keep-alive, ``Connection: close`` and HTTP/1.0, split at random byte boundaries."""
+    tracing = Tracing(TracerProvider()) if traced else Tracing(None)
+    up = await upstream_factory(reply(200))
+    sc = await sidecar_factory(routes_yaml(up.url), tracing=tracing)
+    rng = random.Random(traced)
+    wrong = []
+    for name, (fields, (parent, state)) in TRACE_CASES.items():
+        for variant in VARIANTS:
+            answer = await _send_split(sc.sidecar.proxy_port, _traced_request(variant, fields), rng)
+            assert b" 200 " in answer.split(b"\r\n", 1)[0], answer
+            seen = up.seen.pop()
+            got_parent = ", ".join(seen.all("traceparent")) or None
+            got_state = seen.header("tracestate")
+            if traced:
+                # The attempt's own traceparent; the client's tracestate only when its
+                # traceparent was one the server span continued.
+                assert got_parent is not None and got_parent != INCOMING
+                if parent == INCOMING:
+                    assert got_parent.split("-")[1] == INCOMING.split("-")[1]
+                state = state if parent == INCOMING else "retry-sidecar=edge"
+            elif got_parent != parent:
+                wrong.append(f"{name} {variant}: traceparent {got_parent!r}, not {parent!r}")
+            if got_state != state:
+                wrong.append(f"{name} {variant}: tracestate {got_state!r}, not {state!r}")
+            if seen.header("x-retry-edge") != "test-edge":
+                wrong.append(f"{name} {variant}: x-retry-edge {seen.header('x-retry-edge')!r}")
+    assert wrong == [], "\n".join(wrong)
