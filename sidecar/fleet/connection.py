@@ -166,6 +166,23 @@ def describe(exc: BaseException) -> tuple[str, str]:
     return kind, f"{str(exc) or kind} ({kind})"
 
 
+async def cancellable(aw: Awaitable[T]) -> T:
+    """``await aw``, and ``CancelledError`` when the task was asked to stop meanwhile, however
+    ``aw`` ended. redis-py (8.x) swallows a cancellation that lands in parts of a command (the
+    connection's release, a reply read), returning a result or raising its own error instead,
+    and the task would run on: a periodic task looping past a stop, a shutdown waiting for it
+    forever (a sidecar stopped while its DLQ counts were read never exited on SIGTERM).
+    ``asyncio.timeout`` takes back its own cancellations, so a count above the one at the
+    start is a request from outside. Every await on the client goes through this."""
+    task = asyncio.current_task()
+    asked = task.cancelling() if task is not None else 0
+    try:
+        return await aw
+    finally:
+        if task is not None and task.cancelling() > asked:
+            raise asyncio.CancelledError  # the stop wins over any result
+
+
 class FleetLink:
     """One client of the fleet's Redis with its pause after failures: every call bounded by
     ``timeout``, a failure a ``FleetUnavailable``."""
@@ -219,7 +236,7 @@ class FleetLink:
             ) from None
         try:
             async with asyncio.timeout_at(deadline):
-                result = await fn(self.client)
+                result = await cancellable(fn(self.client))
         except self._failures as exc:
             raise self._failed(exc) from None
         finally:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from sidecar.config.fleet import Fleet
 from sidecar.core import Clock
-from sidecar.fleet.connection import FleetLink, FleetUnavailable
+from sidecar.fleet.connection import FleetLink, FleetUnavailable, cancellable
 from sidecar.fleet.links import FleetLinks
 
 if TYPE_CHECKING:
@@ -268,9 +268,9 @@ class FleetSwitches:
             if pubsub is None:
                 pubsub = self.link.client.pubsub(ignore_subscribe_messages=True)
                 async with asyncio.timeout(self.link.timeout):
-                    await pubsub.subscribe(self.channel)
+                    await cancellable(pubsub.subscribe(self.channel))
             async with asyncio.timeout(READ_EVERY + self.link.timeout):
-                await pubsub.get_message(timeout=READ_EVERY)
+                await cancellable(pubsub.get_message(timeout=READ_EVERY))
             return pubsub
         except asyncio.CancelledError:
             raise
