@@ -63,7 +63,7 @@ async def trickle_and_leave(port: int, key: str, leave_after: float | None) -> N
     closes its connection ``leave_after`` seconds after it began (None: right after its body)."""
     loop = asyncio.get_running_loop()
     began = loop.time()
-    r, w = await asyncio.open_connection("127.0.0.1", port)
+    _, w = await asyncio.open_connection("127.0.0.1", port)
     w.write(
         f"POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: {key}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
