@@ -58,22 +58,36 @@ def route_config(app: SlowApp, tmp_path: object) -> str:
     return config(app, tmp_path, extra=f"    timeout: {TIMEOUT}\n")  # type: ignore[arg-type]
 
 
-async def trickle_and_leave(port: int, key: str, leave_after: float | None) -> None:
-    """A guarded write whose body takes ``UPLOAD`` seconds in ``PIECES`` pieces; the client
-    closes its connection ``leave_after`` seconds after it began (None: right after its body)."""
+# The request line's version and the connection fields: HTTP/1.1 kept alive, HTTP/1.0, close.
+VARIANTS = {
+    "http/1.1": ("HTTP/1.1", ""),
+    "http/1.0": ("HTTP/1.0", ""),
+    "connection-close": ("HTTP/1.1", "Connection: close\r\n"),
+}
+
+
+async def trickle_and_leave(
+    port: int, key: str, leave_after: float | None, rng: random.Random, variant: str = "http/1.1"
+) -> None:
+    """A guarded write whose head comes at once and whose body takes ``UPLOAD`` seconds, each
+    split at random byte boundaries (the body in ``PIECES`` pieces); the client closes its
+    connection ``leave_after`` seconds after it began (None: right after its body)."""
     loop = asyncio.get_running_loop()
     began = loop.time()
+    version, fields = VARIANTS[variant]
+    head = (
+        f"POST /orders {version}\r\nHost: x\r\nIdempotency-Key: {key}\r\n{fields}"
+        f"Content-Type: application/json\r\nContent-Length: {len(BODY)}\r\n\r\n"
+    ).encode()
     _, w = await asyncio.open_connection("127.0.0.1", port)
-    w.write(
-        f"POST /orders HTTP/1.1\r\nHost: x\r\nIdempotency-Key: {key}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
-    )
-    step = -(-len(BODY) // PIECES)
+    for piece in _split(head, 3, rng):
+        w.write(piece)
+        await w.drain()
 
     async def send() -> None:
-        for i in range(0, len(BODY), step):
+        for piece in _split(BODY, PIECES, rng):
             await asyncio.sleep(UPLOAD / PIECES)
-            w.write(BODY[i : i + step])
+            w.write(piece)
             await w.drain()
 
     try:
@@ -89,11 +103,19 @@ async def trickle_and_leave(port: int, key: str, leave_after: float | None) -> N
         w.close()
 
 
+def _split(data: bytes, n: int, rng: random.Random) -> list[bytes]:
+    cuts = sorted(rng.sample(range(1, len(data)), n - 1))
+    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+
+
 async def _settled(admin: int, keys: list[str]) -> bool:
     return all([await key_state(admin, k) != "in-progress" for k in keys])
 
 
-async def test_a_write_whose_client_left_after_a_slow_upload_runs_once(app, tmp_path, proc_stack):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+async def test_a_write_whose_client_left_after_a_slow_upload_runs_once(
+    app, tmp_path, proc_stack, variant
+):
     """The body takes 1.5 s, the client leaves once it is sent, the app answers 1 s later:
     2.5 s after the request arrived, within the 2 s deadline counted from the end of the body.
     The write runs on to the app's answer and its key is finished: the client's retry gets the
@@ -101,7 +123,7 @@ async def test_a_write_whose_client_left_after_a_slow_upload_runs_once(app, tmp_
     cut before the app answered, its key left in progress: the retry got 409, and after the
     lease ran the write again.)"""
     port, admin = await start(proc_stack, tmp_path, route_config(app, tmp_path))
-    await trickle_and_leave(port, "slow-upload", None)
+    await trickle_and_leave(port, "slow-upload", None, random.Random(variant), variant)
     await until_async(lambda: _answered(app, "slow-upload"), "the app to answer", timeout=10)
     await until_async(lambda: _settled(admin, ["slow-upload"]), "the key settled", timeout=10)
     assert await key_state(admin, "slow-upload") == "finished"
@@ -118,7 +140,7 @@ async def test_a_client_gone_at_random_points_leaves_no_key_stuck(app, tmp_path,
     port, admin = await start(proc_stack, tmp_path, route_config(app, tmp_path))
     rng = random.Random(29)
     cuts = {f"cut-{i}": rng.uniform(0.0, UPLOAD + APP + 0.3) for i in range(8)}
-    await asyncio.gather(*(trickle_and_leave(port, k, at) for k, at in cuts.items()))
+    await asyncio.gather(*(trickle_and_leave(port, k, at, rng) for k, at in cuts.items()))
     keys = list(cuts)
     # Every write that reached the app ends within 1 s of its body; then no key may be held.
     await until_async(lambda: _all_answered(app), "the app to answer every write", timeout=10)
