@@ -3,7 +3,7 @@ one and over no proxy at a fixed rate (500 req/s by default, open loop: requests
 schedule whatever the answers), and how fast a replay is answered against the app itself.
 
     python3 -m bench.idempotency [--rate 500] [--seconds 10] [--app-ms 5] [--block 1]
-                                 [--appendfsync always]
+                                 [--appendfsync always] [--before CHECKOUT]
 
 One run, one real aiohttp app on loopback, two real sidecar processes with shipped defaults
 except where the keys live: one with the SQLite store (``idempotency: {backend: sqlite}``), one
@@ -15,6 +15,13 @@ measured in alternating blocks of ``--block`` seconds (``--seconds`` in all for 
 rotates from block to block), so a noisy moment of a shared machine falls on all of them. Every
 request of a guarded arm carries a fresh key (each one a first write: claim, forward, keep).
 Bounded: it stops by itself, and stops the processes it started.
+
+CPU: each sidecar's CPU time (all its threads, ``/proc/<pid>/task/*/schedstat``, nanoseconds) is
+read before and after every block, so each block gives the CPU per request of one arm on one
+process; the ratio guarded / unguarded is taken per round (the two blocks of one rotation, on one
+process) and given as its median and spread over the rounds. ``--before CHECKOUT`` starts a second
+pair of sidecars importing ``sidecar`` from another checkout (``/work/main``, say) beside this
+one's, measured in the same rotation: figures before and after a change, in the same run.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import statistics
 import tempfile
 import time
 from collections.abc import Iterator
@@ -34,7 +43,7 @@ import redis
 from aiohttp import web
 
 from tests import redisserver
-from tests.proc import SidecarProcess, free_port
+from tests.proc import ROOT, SidecarProcess, free_port
 
 STORES = ("sqlite", "redis")
 DIRECT = "no proxy"
@@ -131,15 +140,74 @@ class Arm:
     name: str
     url: str
     keys: str | None
+    pid: int | None = None  # the sidecar that serves it, whose CPU the arm's blocks measure
 
 
-def arms(app_port: int, sidecars: dict[str, int]) -> list[Arm]:
+def arms(app_port: int, sidecars: dict[str, tuple[int, int]]) -> list[Arm]:
+    """``sidecars``: per name (a store, or "before <store>"), its port and PID."""
     out = [Arm(DIRECT, f"http://127.0.0.1:{app_port}/direct", None)]
-    for store, port in sidecars.items():
+    for name, (port, pid) in sidecars.items():
         base = f"http://127.0.0.1:{port}"
-        out.append(Arm(f"{store} unguarded", f"{base}/plain", None))
-        out.append(Arm(f"{store} guarded", f"{base}/guarded", store))
+        keys = name.replace(" ", "-")
+        out.append(Arm(f"{name} unguarded", f"{base}/plain", None, pid))
+        out.append(Arm(f"{name} guarded", f"{base}/guarded", keys, pid))
     return out
+
+
+def cpu_ns(pid: int) -> int:
+    """The CPU time of every thread of ``pid`` so far (ns, from the scheduler's accounting)."""
+    total = 0
+    tasks = Path(f"/proc/{pid}/task")
+    for tid in os.listdir(tasks):
+        try:
+            total += int((tasks / tid / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended between the listing and the read
+    return total
+
+
+def cpu_summary(per_block: dict[str, list[float]], names: list[str]) -> dict[str, object]:
+    """Per sidecar: CPU per request (µs) of each arm, median and range over the blocks, and the
+    ratio guarded / unguarded per round (same process, consecutive blocks): median and range."""
+    out: dict[str, object] = {}
+    for name in names:
+        g, u = per_block[f"{name} guarded"], per_block[f"{name} unguarded"]
+        ratios = [a / b for a, b in zip(g, u, strict=True) if b > 0]
+        out[name] = {
+            "guarded_us": _spread(g),
+            "unguarded_us": _spread(u),
+            "ratio": _spread(ratios),
+        }
+    return out
+
+
+def _spread(xs: list[float]) -> dict[str, float]:
+    s = sorted(xs)
+    return {
+        "median": statistics.median(s),
+        "p10": s[int(0.1 * (len(s) - 1))],
+        "p90": s[int(0.9 * (len(s) - 1))],
+        "min": s[0],
+        "max": s[-1],
+    }
+
+
+def cpu_table(cpu: dict[str, object]) -> str:
+    rows = [
+        "| sidecar | unguarded CPU/req (median, p10-p90) | guarded CPU/req "
+        "| guarded / unguarded (median, p10-p90, min-max) |",
+        "|---|---|---|---|",
+    ]
+    for name, c in cpu.items():
+        assert isinstance(c, dict)
+        u, g, r = c["unguarded_us"], c["guarded_us"], c["ratio"]
+        rows.append(
+            f"| {name} | {u['median']:.0f} µs ({u['p10']:.0f}-{u['p90']:.0f}) "
+            f"| {g['median']:.0f} µs ({g['p10']:.0f}-{g['p90']:.0f}) "
+            f"| **{r['median']:.2f}x** ({r['p10']:.2f}-{r['p90']:.2f}, "
+            f"{r['min']:.2f}-{r['max']:.2f}) |"
+        )
+    return "\n".join(rows)
 
 
 def added(slower: dict[str, float], faster: dict[str, float]) -> dict[str, float]:
@@ -221,23 +289,31 @@ def redis_server(directory: Path, appendfsync: str = "always") -> Iterator[redis
 
 
 async def measure(args: argparse.Namespace, app_port: int, directory: Path) -> dict[str, object]:
+    checkouts = {"": str(ROOT)}
+    if args.before:
+        checkouts["before "] = str(Path(args.before).resolve())
     with redis_server(directory / "redis-server", args.appendfsync) as server:
         procs: list[SidecarProcess] = []
         try:
-            sidecars: dict[str, int] = {}
-            for store in STORES:
-                port, admin = free_port(), free_port()
-                (directory / store).mkdir()
-                cfg = directory / store / "sidecar.yaml"
-                sections = storage(store, directory / store, server.url)
-                cfg.write_text(config(app_port, port, admin, sections))
-                proc = SidecarProcess(cfg)
-                procs.append(proc)
-                proc.start()
-                await proc.wait_port(port, admin)
-                sidecars[store] = port
+            sidecars: dict[str, tuple[int, int]] = {}
+            for label, checkout in checkouts.items():
+                for store in STORES:
+                    name = f"{label}{store}"
+                    port, admin = free_port(), free_port()
+                    where = directory / name.replace(" ", "-")
+                    where.mkdir()
+                    cfg = where / "sidecar.yaml"
+                    sections = storage(store, where, server.url)  # keys differ by arm name
+                    cfg.write_text(config(app_port, port, admin, sections))
+                    proc = SidecarProcess(cfg, env={"PYTHONPATH": checkout})
+                    procs.append(proc)
+                    proc.start()
+                    await proc.wait_port(port, admin)
+                    assert proc.proc is not None
+                    sidecars[name] = (port, proc.proc.pid)
             every = arms(app_port, sidecars)
             lats: dict[str, list[Sample]] = {a.name: [] for a in every}
+            cpu: dict[str, list[float]] = {a.name: [] for a in every if a.pid is not None}
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
                 for arm in every:  # warm up the pools (and each store's first key)
                     warm = f"warm-{arm.keys}" if arm.keys else None
@@ -247,16 +323,22 @@ async def measure(args: argparse.Namespace, app_port: int, directory: Path) -> d
                     turn = b % len(every)  # rotated, so no arm always follows the same one
                     for arm in every[turn:] + every[:turn]:
                         keys = f"{arm.keys}-k{b}" if arm.keys else None
-                        lats[arm.name] += await paced(session, arm.url, args.rate, args.block, keys)
+                        before = cpu_ns(arm.pid) if arm.pid is not None else 0
+                        got = await paced(session, arm.url, args.rate, args.block, keys)
+                        if arm.pid is not None:
+                            cpu[arm.name].append((cpu_ns(arm.pid) - before) / 1000 / len(got))
+                        lats[arm.name] += got
             replay = {
-                store: await replays(f"http://127.0.0.1:{port}/guarded/replay", 200)
-                for store, port in sidecars.items()
+                name: await replays(f"http://127.0.0.1:{port}/guarded/replay", 200)
+                for name, (port, _) in sidecars.items()
             }
         finally:
             for proc in procs:
                 if proc.proc is not None:
                     proc.terminate()
-    return summary(lats, replay)
+    out = summary(lats, replay)
+    out["cpu"] = cpu_summary(cpu, list(sidecars))
+    return out
 
 
 async def main() -> None:
@@ -266,6 +348,9 @@ async def main() -> None:
     ap.add_argument("--app-ms", type=float, default=5.0)
     ap.add_argument("--block", type=float, default=1.0, help="seconds per alternating block")
     ap.add_argument("--appendfsync", choices=("always", "everysec", "no"), default="always")
+    ap.add_argument(
+        "--before", default=None, help="another checkout, run beside this one (same run)"
+    )
     args = ap.parse_args()
     runner, app_port = await start_app(args.app_ms)
     try:
@@ -282,6 +367,10 @@ async def main() -> None:
     )
     print(json.dumps(out, indent=2))
     print(table(out))
+    cpu = out["cpu"]
+    assert isinstance(cpu, dict)
+    print()
+    print(cpu_table(cpu))
 
 
 if __name__ == "__main__":

@@ -3,15 +3,19 @@
 ``guarded`` judges the request (method, key), claims its key in the store, calls ``forward``
 (which sends the request upstream, through the route's retries, and gives back the app's answer
 with "the route would retry this") at most once, and keeps or releases the key. It owns the
-claim, and renews its lease while ``forward`` runs. The key is settled by the app's answer: kept,
-or released when the route would retry it (a status in ``retry_on``, a connect failure, a reset,
-a timeout, an answer the sidecar made itself), and that store call runs to its
-end even when the caller is cancelled meanwhile. Once the app's answer head came (``answered``,
-filled by the forward side) the app has acted: whatever ends ``forward`` after that, the key is
-settled by that answer (its status kept, its body not). When ``forward`` ends without any answer
-(an exception, a cancellation half-way: a stop whose drain ran out) the request may have reached
-the app, so the key is left in progress until its lease, as a killed sidecar leaves it. (The
-handler runs the guard in a task a client that leaves does not cancel: ``proxy/detached.py``.)
+claim, and renews its lease while ``forward`` runs (the process's one renewal timer,
+``holding.Holdings``: no task per request). The key is settled by the app's answer: kept, or
+released when the route would retry it (a status in ``retry_on``, a connect failure, a reset, a
+timeout, an answer the sidecar made itself), by a store call awaited inline; a caller cancelled
+meanwhile hands the settlement to the background retrier (``Holdings.settle_later``, which tries
+it again until it lands: a complete or a release is a compare-and-set on the claim's token, so
+one that landed already is not done twice) before the cancellation goes on. Once the app's
+answer head came (``answered``, filled by the forward side) the app has acted: whatever ends
+``forward`` after that, the key is settled by that answer (its status kept, its body not). When
+``forward`` ends without any answer (an exception, a cancellation half-way: a stop whose drain
+ran out) the request may have reached the app, so the key is left in progress until its lease,
+as a killed sidecar leaves it. (The handler runs the guard in a task a client that leaves does
+not cancel: ``proxy/detached.py``.)
 
 What the handler does with the result: an ``Answer`` is the sidecar's own (a problem, a replay
 with ``Idempotent-Replayed: true``): sent as is, the app never called; a ``Forwarded`` is the
@@ -77,53 +81,6 @@ class RequestView:
 class GuardResult:
     answer: Answer | Forwarded
     outcome: O | None
-
-
-# Store calls that settle a claim, running on after their caller was cancelled: held here until
-# done (a task nobody references may be collected mid-flight).
-_settling: set[asyncio.Task[bool]] = set()
-
-
-def _done(task: asyncio.Task[bool]) -> None:
-    _settling.discard(task)
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("idempotency key not settled (left to its lease): %s", task.exception())
-
-
-async def _settle(call: Awaitable[bool]) -> bool | None:
-    """Complete or release a claim, to its end whatever happens to the caller; None when the
-    store failed (the key is then left in progress until its lease passes)."""
-    task = asyncio.ensure_future(call)
-    _settling.add(task)
-    task.add_done_callback(_done)
-    try:
-        return await asyncio.shield(task)
-    except StoreError:
-        return None
-
-
-# The holder renews its lease every third of it, so two renewals may fail (a slow store) before
-# it runs out; never more often than this (a lease of a fraction of a second).
-RENEW_FLOOR = 0.05
-RENEW_TASK = "idempotency-renew"
-
-
-def renew_every(lease: float) -> float:
-    """How often a holder renews a ``lease``-second lease while its request runs. Pure."""
-    return max(RENEW_FLOOR, lease / 3)
-
-
-async def _renew_forever(store: IdempotencyStore, skey: str, token: str, lease: float) -> None:
-    """The claim's heartbeat: the lease then means how long a key stays in progress if its
-    sidecar dies, never how long a live request may take."""
-    every = renew_every(lease)
-    while True:
-        await asyncio.sleep(every)
-        try:
-            if not await store.renew(skey, token, lease):
-                return  # not ours any more (forgotten, taken over): nothing left to hold
-        except StoreError as exc:
-            log.warning("idempotency lease not renewed (next try in %.2fs): %s", every, exc)
 
 
 async def guarded(
@@ -211,14 +168,12 @@ async def _run_claimed(
     answered: Answered | None,
     lease: float,
 ) -> GuardResult:
-    store, skey, token = settling.store, settling.skey, settling.claim.token
-    renewing = asyncio.get_running_loop().create_task(
-        _renew_forever(store, skey, token, lease), name=RENEW_TASK
-    )
+    holdings, skey = settling.holdings, settling.skey
+    holdings.renew_while_held(settling.store, skey, settling.claim.token, lease)
     try:
         forwarded = await forward()
     except BaseException:
-        renewing.cancel()  # not awaited: no await here may stop the key being settled
+        holdings.stop_renewing(skey)
         head = answered() if answered is not None else None
         if head is not None:
             # The app's answer head came: the app acted, whatever broke after (the client
@@ -232,7 +187,7 @@ async def _run_claimed(
         # by the sidecar -- is an answer ``forward`` returns, and releases the key.)
         log.warning("idempotency key %r ended without an answer: in progress until its lease", skey)
         raise
-    renewing.cancel()
+    holdings.stop_renewing(skey)
     return await _settle_by(settling, forwarded)
 
 
@@ -256,7 +211,16 @@ async def _settle_by(settling: _Settling, forwarded: Forwarded) -> GuardResult:
             return store.complete(skey, claim.token, answer, policy.ttl)
 
         outcome = O.FIRST
-    settled = await _settle(settle())
+    try:
+        settled: bool | None = await settle()
+    except StoreError:
+        settled = None
+    except asyncio.CancelledError:
+        # Cancelled mid-call (a stop, the bound of a write whose client left): the call may
+        # or may not land; the retrier carries it on (the key held meanwhile) either way.
+        settling.holdings.settle_later(store, skey, claim.token, settle, policy.ttl)
+        settling.handed_over = True
+        raise
     if settled is None:
         outcome = O.STORE_ERROR
         settling.holdings.settle_later(store, skey, claim.token, settle, policy.ttl)

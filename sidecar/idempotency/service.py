@@ -25,6 +25,8 @@ from sidecar.idempotency.holding import Holdings
 from sidecar.idempotency.store import IdempotencyStore
 
 if TYPE_CHECKING:
+    from sidecar.fleet.connection import FleetLink
+
     # sqlite3 (or redis) is loaded when a route first enables idempotency, never without.
     from sidecar.idempotency.sqlite import SqliteIdempotencyStore
 
@@ -83,7 +85,7 @@ class KeyStoreService:
             if self.store is not None:
                 return True
             if self.backend == "redis":
-                self._open_redis()
+                await self._open_redis().open_connections()
                 return True
             import sqlite3
 
@@ -109,7 +111,7 @@ class KeyStoreService:
             log.info("idempotency store open at %s", self.path)
             return True
 
-    def _open_redis(self) -> None:
+    def _open_redis(self) -> FleetLink:
         from sidecar.fleet.connection import FleetLink
         from sidecar.idempotency.redisstore import RedisIdempotencyStore
 
@@ -119,6 +121,7 @@ class KeyStoreService:
         self.store, self._closing = store, store.close
         self._on_open(store)
         log.info("idempotency keys kept in the fleet Redis (%s)", self._redis.url)
+        return link
 
     async def keep_opening(self, draining: Callable[[], bool]) -> None:
         """Open, trying again with a backoff while the file cannot be opened."""

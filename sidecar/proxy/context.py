@@ -6,6 +6,13 @@ once, its span ended).
 run, the DLQ hand-off and the answer relay each take it instead of a dozen loose arguments.
 Its fields are set once, when it is made (``headers`` is one list that body intake extends
 with the framing headers before the first attempt; nothing replaces it).
+
+``deadline`` is the request's one deadline, made here once (the route's ``timeout``, or a smaller
+trusted ``x-request-timeout-ms``) and read by everything that bounds the request: the sequence
+(its attempts, backoffs, bulkhead wait), and a guarded write that runs on without its client
+(``proxy/detached.py``). It counts from the end of the request's body, as Envoy's route timeout
+does: body intake restarts it once a buffered body is whole, the sender once a streamed one is
+sent (``Deadline.restart``), so a slow upload does not spend the upstream's time.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from sidecar.config.model import Config, Route
 from sidecar.core import Fate
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.held import HeldAnswer
+from sidecar.retry.deadline import Deadline, parse_timeout_ms
 from sidecar.telemetry.events import SequenceEnded
 from sidecar.telemetry.logs import RateLimit
 
@@ -37,6 +45,7 @@ class RequestContext:
     __slots__ = (
         "as_received",
         "config",
+        "deadline",
         "deps",
         "edge",
         "ended",
@@ -85,6 +94,11 @@ class RequestContext:
         self.expects_continue = expects_continue  # Expect: 100-continue, to be answered
         self.span = span
         self.start = start  # monotonic, when the request was admitted
+        self.deadline = Deadline.start(
+            start,
+            route.timeout,
+            parse_timeout_ms(timeout_ms.decode("latin-1") if timeout_ms is not None else None),
+        )
         self.warnings = warnings  # the handler's rate limit for upstream warnings
         # A guarded write's answer, held until its key is settled (proxy/guarded.py); None:
         # relayed at once, as every other answer.

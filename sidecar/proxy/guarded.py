@@ -184,7 +184,7 @@ async def run_guarded(ctx: RequestContext, intake: Intake) -> web.StreamResponse
     try:
         result = await asyncio.shield(work)
     except asyncio.CancelledError:
-        deps.detached.bound(work, ctx.start + route.timeout - deps.clock.monotonic())
+        deps.detached.bound(work, ctx.deadline.remaining(deps.clock.monotonic()))
         raise
     answer = result.answer
     if isinstance(answer, Answer):  # a problem or a replay: the app was not called

@@ -44,6 +44,7 @@ async def read_body(ctx: RequestContext) -> Intake:
         raise BodyTooLarge(f"request body over {max_total} bytes")
     shared = ctx.headers
     if ended:
+        ctx.deadline.restart(ctx.deps.clock.monotonic())  # the request is received: from now
         shared.append((b"Content-Length", str(len(prefix)).encode()))
         return Intake(prefix, False, ctx.upgrade is None)
     stream = BodyStream(request, prefix, max_total, idle)

@@ -12,17 +12,12 @@ from sidecar.proxy.handoff import respond, wants_capture
 from sidecar.proxy.intake import Intake
 from sidecar.proxy.relay import own_headers, stream
 from sidecar.proxy.tunnel import not_opened, relay, switched
-from sidecar.retry.deadline import Deadline, parse_timeout_ms
 
 
 def exchange_of(ctx: RequestContext, intake: Intake) -> Exchange:
-    """What the engine sends, with the deadline started now: once the request is received (as
-    Envoy's route timeout), so a slow upload of a buffered body does not eat the upstream's
-    time."""
+    """What the engine sends, bounded by the request's one deadline (``ctx.deadline``: counted
+    from the end of the body, so a slow upload does not eat the upstream's time)."""
     route = ctx.route
-    deadline = Deadline.start(
-        ctx.deps.clock.monotonic(), route.timeout, parse_timeout_ms(_s(ctx.timeout_ms))
-    )
     shared = ctx.headers
     # The key as it goes upstream: one the client named in Connection (hop-by-hop, so
     # dropped) is no key, and a POST without one is not resent.
@@ -36,7 +31,7 @@ def exchange_of(ctx: RequestContext, intake: Intake) -> Exchange:
         intake.chunked,
         replayable=intake.replayable,
         edge=ctx.edge,
-        deadline=deadline,
+        deadline=ctx.deadline,
         idempotency_key=key is not None and key.strip() != b"",
         span=ctx.span,
         upgrade=ctx.upgrade is not None,
@@ -66,7 +61,3 @@ async def run_sequence(ctx: RequestContext, intake: Intake) -> web.StreamRespons
             # relay: two coroutines less per request than through respond and answer.
             return await stream(ctx, result, result.response, seq, captured=None)
         return await respond(ctx, seq, intake.body)
-
-
-def _s(v: bytes | None) -> str | None:
-    return v.decode("latin-1") if v is not None else None

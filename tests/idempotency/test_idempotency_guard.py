@@ -15,11 +15,10 @@ from typing import Any
 import pytest
 import uvloop
 
-from sidecar.idempotency import guard as guard_module
 from sidecar.idempotency.answer import Answer, Forwarded
 from sidecar.idempotency.fingerprint import NO_SCOPE, fingerprint, stored_key
 from sidecar.idempotency.guard import GuardResult, RequestView, guarded
-from sidecar.idempotency.holding import Holdings
+from sidecar.idempotency.holding import RENEW_TASK, Holdings
 from sidecar.idempotency.keep import KeptAnswer
 from sidecar.idempotency.outcome import IdempotencyOutcome as O
 from sidecar.idempotency.policy import IdempotencyPolicy
@@ -281,20 +280,21 @@ def test_a_cancellation_while_completing_still_completes(
             me.cancel()  # delivered at the guard's next await
             return Forwarded(201, (), b"made", False)
 
+        holdings = Holdings(clock)
+        # Its own task, as the handler runs it: the cancellation ends that task, whether it
+        # lands in the store call (a store that suspends) or after it (SQLite's, inline).
+        task = asyncio.ensure_future(
+            guarded(POLICY, store, view(), forward, clock, holdings=holdings)
+        )
         with pytest.raises(asyncio.CancelledError):
-            await guarded(POLICY, store, view(), forward, clock)
+            await task
         key = stored_key("k1", NO_SCOPE)
-        await until_settled()
+        await until(lambda: not holdings.held and not holdings.retrying, "the key settled")
         record = await store.get(key)
         assert record is not None and record.finished
         assert record.answer == KeptAnswer(201, (), b"made")
 
     run(main)
-
-
-async def until_settled() -> None:
-    """The shielded store calls the guard left running have ended."""
-    await until(lambda: not guard_module._settling, "the guard's settling calls to end")
 
 
 @pytest.mark.parametrize("mode", ["refuse", "pass"])
@@ -410,7 +410,14 @@ def test_the_holder_renews_its_lease_while_forward_runs(
 
     async def main() -> None:
         app = App(gate=asyncio.Event())
-        task = asyncio.ensure_future(guarded(policy, store, view(), app.forward, clock))
+        holdings = Holdings(clock)
+
+        def _renewing() -> bool:
+            return bool(holdings.renewing) or _renewal_tasks()
+
+        task = asyncio.ensure_future(
+            guarded(policy, store, view(), app.forward, clock, holdings=holdings)
+        )
         await app.entered.wait()
         key = stored_key("k1", NO_SCOPE)
         first = await store.get(key)
@@ -425,7 +432,7 @@ def test_the_holder_renews_its_lease_while_forward_runs(
             await task
         await until(lambda: not _renewing(), "no heartbeat left after a cancellation half-way")
         app.gate = None
-        done = await guarded(policy, store, view(key=b"k2"), app.forward, clock)
+        done = await guarded(policy, store, view(key=b"k2"), app.forward, clock, holdings=holdings)
         assert done.outcome is O.FIRST
         await until(lambda: not _renewing(), "no heartbeat left after a return")
 
@@ -437,5 +444,5 @@ async def _expires_after(store: SqliteIdempotencyStore, key: str, wall: float) -
     return record is not None and record.expires_at > wall
 
 
-def _renewing() -> bool:
-    return any(t.get_name() == guard_module.RENEW_TASK for t in asyncio.all_tasks())
+def _renewal_tasks() -> bool:
+    return any(t.get_name() == RENEW_TASK for t in asyncio.all_tasks())

@@ -143,6 +143,7 @@ def test_the_breaker_verdict_of_an_error_is_its_rows(t: type[UpstreamError] | ty
 NOT_A_ROW = {
     ("sidecar/core.py", "Fate"),
     ("sidecar/engine/loop.py", "Driver"),  # its __slots__
+    ("sidecar/proxy/context.py", "RequestContext"),  # its __slots__ (the request's deadline)
     ("sidecar/proxy/tunnel.py", "RESET"),
 }
 
