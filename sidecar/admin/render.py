@@ -350,6 +350,11 @@ def _process(st: Status) -> str:
         items.append(
             ("DLQ warning", f'<span class="bad" id="dlq-warning">{escape(p.dlq_warning)}</span>')
         )
+    if p.idempotency_warning is not None:
+        text = escape(p.idempotency_warning)
+        items.append(
+            ("Idempotency warning", f'<span class="bad" id="idempotency-warning">{text}</span>')
+        )
     items.extend(_fleet(use, f) for use, f in p.fleet.items())
     cells = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in items)
     return f'<h2>Process</h2><dl class="grid" id="process">{cells}</dl>'
