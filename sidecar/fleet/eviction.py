@@ -68,8 +68,6 @@ async def check(link: FleetLink, use: str) -> str | None:
     got = await link.call(ask)
     if isinstance(got, ResponseError):
         return cannot_check(str(got) or type(got).__name__, use)
-    if not isinstance(got, dict):
-        return cannot_check(f"an answer of the wrong shape ({type(got).__name__})", use)
     return judge({_text(k): _text(v) for k, v in got.items()}, use)
 
 

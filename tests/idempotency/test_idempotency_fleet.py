@@ -353,9 +353,9 @@ async def test_a_redis_at_its_maxmemory_refuses_new_keys_by_on_store_error(
             assert (seen["store-full"], seen.get("store-error", 0)) == (1, 0)
             status, headers, _ = await post(port, key="held")  # a key it holds: replayed
             assert (status, headers.get("Idempotent-Replayed")) == (201, "true")
-            async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
-                async with s.get(f"http://127.0.0.1:{admin}/status") as resp:
-                    fleet = (await resp.json())["process"]["fleet"]
+            url = f"http://127.0.0.1:{admin}/status"
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.get(url) as resp:
+                fleet = (await resp.json())["process"]["fleet"]
             assert fleet["idempotency"]["state"] == "connected"
             # Room made: a new key is claimed and kept again.
             await r.flushdb()
