@@ -165,6 +165,7 @@ class Sidecar:
             stats=self.process_stats,
             dlq=DlqFigures(lambda: self.dlqs.store, self.dlqs.location, lambda: self.dlqs.warning),
             fleet=self.fleet_links,
+            idempotency_warning=lambda: self.keys.warning,
             started_mono=self.clock.monotonic(),
             started_wall=self.clock.wall(),
         )
@@ -206,6 +207,8 @@ class Sidecar:
         self.spawn("idempotency-prune", prune_forever(store))
         if isinstance(store, Checkpointed):  # the SQLite file (Redis keeps its own durability)
             self.spawn("idempotency-sync", sync_forever(store))
+        else:  # the fleet's Redis: may it evict keys?
+            self.spawn("idempotency-redis-check", self.keys.check_redis())
 
     def _open_keys(self) -> None:
         if "idempotency-open" not in self._tasks:

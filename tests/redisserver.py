@@ -17,7 +17,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -64,8 +64,9 @@ def server_pid(port: int, timeout: float = 1.0) -> int | None:
 class RedisServer:
     """One ``redis-server`` process on ``port`` with its files in ``directory``."""
 
-    def __init__(self, directory: Path, port: int | None = None) -> None:
+    def __init__(self, directory: Path, port: int | None = None, extra: Sequence[str] = ()) -> None:
         self.directory = directory
+        self.extra = list(extra)  # more command-line settings, e.g. --maxmemory 10mb
         self.port = port if port is not None else free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.paused = False
@@ -88,6 +89,7 @@ class RedisServer:
             "--daemonize", "no",
             "--logfile", str(self.log_path),
             "--protected-mode", "yes",
+            *self.extra,
         ]  # fmt: skip
 
     def start(self) -> None:
@@ -156,12 +158,12 @@ class RedisServer:
 
 
 @contextlib.contextmanager
-def running(directory: Path) -> Iterator[RedisServer]:
+def running(directory: Path, *extra: str) -> Iterator[RedisServer]:
     """A started server, stopped however the block is left; skips when redis-server is not
     installed."""
     if not available():
         pytest.skip("redis-server is not installed (.ci/run installs Debian's redis-server)")
-    server = RedisServer(directory)
+    server = RedisServer(directory, extra=extra)
     try:
         server.start()
         yield server

@@ -346,10 +346,13 @@ def _process(st: Status) -> str:
         ),
         ("DLQ", f"{escape(p.dlq)} <small>{escape(p.dlq_path)}</small>"),
     ]
-    if p.dlq_warning is not None:
-        items.append(
-            ("DLQ warning", f'<span class="bad" id="dlq-warning">{escape(p.dlq_warning)}</span>')
-        )
+    for label, slug, said in (
+        ("DLQ", "dlq", p.dlq_warning),
+        ("Idempotency", "idempotency", p.idempotency_warning),
+    ):
+        if said is not None:
+            span = f'<span class="bad" id="{slug}-warning">{escape(said)}</span>'
+            items.append((f"{label} warning", span))
     items.extend(_fleet(use, f) for use, f in p.fleet.items())
     cells = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in items)
     return f'<h2>Process</h2><dl class="grid" id="process">{cells}</dl>'

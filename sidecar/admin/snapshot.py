@@ -56,6 +56,8 @@ class StatusSources:
     stats: Callable[[], dict[str, Any]]
     dlq: DlqView
     fleet: FleetLinks  # every use's link to the fleet's Redis
+    # What the start-up check of the idempotency keys' Redis found (it may evict them), or None.
+    idempotency_warning: Callable[[], str | None] = lambda: None
     started_mono: float = field(default_factory=time.monotonic)
     started_wall: float = field(default_factory=time.time)
     _dlq_cache: tuple[float, dict[str, dict[str, Any]]] | None = None
@@ -144,6 +146,9 @@ class ProcessStatus:
     # What the start-up check of the DLQ's store found wrong (a fleet Redis that does not
     # fsync every write, or whose settings cannot be read), or None.
     dlq_warning: str | None = None
+    # What the start-up check of the idempotency keys' store found wrong (a fleet Redis that may
+    # evict keys, or whose settings cannot be read), or None.
+    idempotency_warning: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +245,7 @@ async def take(src: StatusSources, window: str = DEFAULT_WINDOW) -> Status:
         dlq_path=src.dlq.location(),
         fleet={s.use: FleetUse(s.state, s.error, s.while_unreachable) for s in src.fleet.states()},
         dlq_warning=src.dlq.warning(),
+        idempotency_warning=src.idempotency_warning(),
     )
     return Status(wall, window, win.seconds, process, routes, switches)
 

@@ -154,6 +154,8 @@ def print_status(st: dict[str, Any], out: TextIO) -> None:
     out.write(printable("  ".join(head)) + "\n")
     if p.get("dlq_warning"):
         out.write(printable("dlq warning: " + p["dlq_warning"]) + "\n")
+    if p.get("idempotency_warning"):
+        out.write(printable("idempotency warning: " + p["idempotency_warning"]) + "\n")
     if p["fleet"]:
         out.write(printable("fleet redis: " + fleet_line(p["fleet"])) + "\n")
     if p["restart_required"]:

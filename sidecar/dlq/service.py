@@ -8,7 +8,8 @@ restart-only), chosen here and nowhere else:
   (``reopen``); writes are ``unavailable`` meanwhile.
 - ``redis``: the fleet's Redis (``redisstore``). Opening makes a client and no connection; an
   unreachable Redis is ``DlqUnavailable`` per call, so it never needs reopening. Its start-up
-  check (``fleet.aof``: ``appendonly``/``appendfsync``) runs in the ``dlq-redis-check`` task,
+  checks (``fleet.aof``: ``appendonly``/``appendfsync``; ``fleet.eviction``: ``maxmemory-policy``)
+  run in the ``dlq-redis-check`` task,
   asked again until the Redis answers; the gauges' counts are read by ``dlq-counts``, which
   also checks that the Redis still holds the DLQ's data (``redisepoch``: a loss is counted in
   the same counter as a deleted SQLite file, and shown as the DLQ warning).
@@ -239,12 +240,14 @@ class DlqService:
 
     async def _check(self, store: RedisDlqStore) -> None:
         """The start-up check of the Redis's durability, asked until it answers once."""
+        from sidecar.fleet import eviction
         from sidecar.fleet.aof import check
         from sidecar.fleet.connection import FleetUnavailable
 
         while True:
             try:
-                self.durability = await check(store.link)
+                said = [await check(store.link), await eviction.check(store.link, "dlq")]
+                self.durability = "; ".join(w for w in said if w) or None
             except FleetUnavailable as exc:
                 log.warning("cannot check the fleet Redis's durability yet: %s", exc)
                 await asyncio.sleep(CHECK_AGAIN)

@@ -60,6 +60,7 @@ from sidecar.idempotency.store import (
     KeyRecord,
     Mismatch,
     StoreError,
+    StoreFull,
     headers_text,
     read_answer,
 )
@@ -278,6 +279,8 @@ class RedisIdempotencyStore:
 
         try:
             return await self._call(run)
+        except StoreFull:
+            raise  # refused before any write: nothing to undo
         except (StoreError, asyncio.CancelledError):
             self._undo(key, token)  # the claim may have reached Redis after all
             raise
@@ -289,8 +292,15 @@ class RedisIdempotencyStore:
         self._redis_clock.learn(shape.redis_time(got), self._clock.monotonic())
 
     async def _claim_round(self, client: Redis, name: str, args: list[str]) -> list[Any]:
-        """One run of the claim script: one round trip."""
-        reply: list[Any] = await self._claim(keys=[name], args=args, client=client)
+        """One run of the claim script: one round trip. A Redis at its ``maxmemory`` with
+        ``noeviction`` refuses the script at its first write (``OOM``), before anything is
+        written: the store is full (``StoreFull``), not unreachable, so the link stays up."""
+        from redis.exceptions import OutOfMemoryError
+
+        try:
+            reply: list[Any] = await self._claim(keys=[name], args=args, client=client)
+        except OutOfMemoryError as exc:
+            raise StoreFull(f"the fleet Redis is at its maxmemory (noeviction): {exc}") from None
         return reply
 
     @staticmethod

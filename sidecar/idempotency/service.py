@@ -3,7 +3,8 @@ start, or on the reload that enables it), tried again with a backoff while it ca
 (guarded writes get their route's ``on_store_error`` meanwhile), closed at stop. The backend is
 the one the process started with (``idempotency.backend`` is restart-only): the SQLite file at
 ``idempotency.path``, or the fleet's Redis (``redis``: opening makes the client and no
-connection; an unreachable Redis is a ``StoreError`` per call, so it never needs reopening).
+connection; an unreachable Redis is a ``StoreError`` per call, so it never needs reopening; its
+``maxmemory-policy`` is checked once it answers, ``check_redis``, shown as ``warning``).
 
 The opening runs in a worker thread. A stop that comes during it closes the store it was opening:
 ``SqliteIdempotencyStore.close`` marks it closed, and an ``open`` still running closes the
@@ -35,6 +36,7 @@ log = logging.getLogger("sidecar.idempotency")
 REOPEN_FIRST = 1.0  # seconds before the second try; doubled each time up to REOPEN_MAX
 REOPEN_MAX = 60.0
 FLEET_USE = "idempotency"  # the Redis backend's link, as the fleet view names it
+CHECK_AGAIN = 5.0  # seconds before the start-up check of the Redis asks again
 
 
 def wanted(config: Config) -> bool:
@@ -78,6 +80,9 @@ class KeyStoreService:
         self.holdings = Holdings(clock)
         self._closing: Callable[[], Awaitable[None]] | None = None  # the open store's close
         self._lock = asyncio.Lock()
+        self._link: FleetLink | None = None  # the Redis backend's
+        # What the start-up check of the fleet's Redis found (it may evict keys), or None.
+        self.warning: str | None = None
 
     async def open(self, draining: Callable[[], bool]) -> bool:
         """One try; False when the file could not be opened now."""
@@ -115,13 +120,31 @@ class KeyStoreService:
         from sidecar.fleet.connection import FleetLink
         from sidecar.idempotency.redisstore import RedisIdempotencyStore
 
-        link = FleetLink(self._redis, self._clock, use=FLEET_USE)
+        link = self._link = FleetLink(self._redis, self._clock, use=FLEET_USE)
         self._links.add(link, "guarded writes get their route's on_store_error")
         store = RedisIdempotencyStore(link, self._clock)
         self.store, self._closing = store, store.close
         self._on_open(store)
         log.info("idempotency keys kept in the fleet Redis (%s)", self._redis.url)
         return link
+
+    async def check_redis(self) -> None:
+        """The start-up check that the fleet's Redis will not evict keys (``fleet.eviction``),
+        asked until it answers once; what it finds is ``warning`` and a log line."""
+        from sidecar.fleet.connection import FleetUnavailable
+        from sidecar.fleet.eviction import check
+
+        assert self._link is not None
+        while True:
+            try:
+                self.warning = await check(self._link, FLEET_USE)
+            except FleetUnavailable as exc:
+                log.warning("cannot check the fleet Redis's maxmemory-policy yet: %s", exc)
+                await asyncio.sleep(CHECK_AGAIN)
+                continue
+            if self.warning is not None:
+                log.warning("idempotency keys on Redis: %s", self.warning)
+            return
 
     async def keep_opening(self, draining: Callable[[], bool]) -> None:
         """Open, trying again with a backoff while the file cannot be opened."""

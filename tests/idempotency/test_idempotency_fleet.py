@@ -301,3 +301,66 @@ async def test_a_redis_that_answers_garbage_is_a_store_error(
         assert len(app.writes) == (1 if on_error == "pass" else 0)
     log = proc.stderr()
     assert "Traceback" not in log and "internal" not in log, log[-3000:]
+
+
+def fill(server: RedisServer) -> int:
+    """Fill the Redis with 1 KiB values until it refuses a write with OOM (noeviction)."""
+    import redis as sync_redis
+
+    c = sync_redis.Redis(port=server.port)
+    try:
+        for n in range(100_000):
+            try:
+                c.set(f"fill:{n}", b"x" * 1024)
+            except sync_redis.exceptions.OutOfMemoryError:
+                # Kept past the bound whatever is freed meanwhile (this client's buffers): the
+                # limit set 256 KiB below what Redis uses now (noeviction: nothing is evicted).
+                used = int(c.info("memory")["used_memory"])
+                c.config_set("maxmemory", used - 256 * 1024)
+                return n
+        raise AssertionError("the Redis never refused a write")
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("on_error", ["refuse", "pass"])
+async def test_a_redis_at_its_maxmemory_refuses_new_keys_by_on_store_error(
+    app: WriteApp, tmp_path: Path, proc_stack: list[SidecarProcess], on_error: str
+) -> None:
+    """Issue 29 item 7: the fleet's Redis is bounded by its ``maxmemory`` with ``noeviction``.
+    At the bound it refuses the claim script at its first write (OOM): a new guarded write
+    follows on_store_error (503, or forwarded unguarded once), counted ``store-full`` (the
+    alert's), nothing of the key written, the link still connected (a full Redis is not an
+    unreachable one); a key it holds is still replayed; memory freed, keys are kept again."""
+    args = ("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")
+    with running(tmp_path / "redis", *args) as server:
+        idem = f"{{enabled: true, on_store_error: {on_error}}}"
+        port, admin = await start_in(proc_stack, tmp_path / "a", fleet_config(app, server, idem))
+        assert (await post(port, key="held"))[0] == 201
+        assert fill(server) > 0
+        status, headers, made = await post(port, key="new")
+        if on_error == "refuse":
+            assert status == 503 and headers["Content-Type"] == "application/problem+json"
+            problem(made, "store-unavailable")
+            assert len(app.writes) == 1
+        else:
+            assert (status, json.loads(made)) == (201, {"write": 2})
+        r = Redis(port=server.port)
+        try:
+            names = {k.decode() async for k in r.scan_iter("retry-sidecar:*")}
+            assert not [n for n in names if n.endswith("new")], names  # nothing half-written
+            seen = await counts(admin)
+            assert (seen["store-full"], seen.get("store-error", 0)) == (1, 0)
+            status, headers, _ = await post(port, key="held")  # a key it holds: replayed
+            assert (status, headers.get("Idempotent-Replayed")) == (201, "true")
+            url = f"http://127.0.0.1:{admin}/status"
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.get(url) as resp:
+                fleet = (await resp.json())["process"]["fleet"]
+            assert fleet["idempotency"]["state"] == "connected"
+            # Room made: a new key is claimed and kept again.
+            await r.flushdb()
+            assert (await post(port, key="after"))[0] == 201
+            status, headers, _ = await post(port, key="after")
+            assert headers.get("Idempotent-Replayed") == "true"
+        finally:
+            await r.aclose()

@@ -497,3 +497,72 @@ def test_a_writer_killed_mid_transaction_leaves_no_key_or_a_whole_one(
         run(main)
     finally:
         store.close()
+
+
+def real_tally(path: Path) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(the tally the triggers keep, the count and size of the rows as they are), read from the
+    file by another connection."""
+    conn = sqlite3.connect(path)
+    try:
+        kept = conn.execute("SELECT records, bytes FROM idempotency_tally WHERE id = 0").fetchone()
+        size = schema._size("k")
+        rows = conn.execute(
+            f"SELECT COUNT(*), COALESCE(SUM({size}), 0) FROM idempotency_keys AS k"
+        ).fetchone()
+        return (int(kept[0]), int(kept[1])), (int(rows[0]), int(rows[1]))
+    finally:
+        conn.close()
+
+
+def test_the_tally_stays_exact_after_keep_release_prune_and_forget(
+    run: Run, db: Path, clock: FakeClock
+) -> None:
+    """Issue 29 item 7: ``max_records``/``max_bytes`` read the tally the triggers keep; after
+    every kind of write (a claim, a kept answer, a release, a take-over of a lease run out, a
+    replaced expired key, a prune, a forget) it equals COUNT(*) and the rows' size."""
+    store = opened(db, clock, abandoned_keep=50.0)
+    steps: list[str] = []
+
+    def exact(step: str) -> None:
+        kept, rows = real_tally(db)
+        assert kept == rows, (step, kept, rows)
+        steps.append(step)
+
+    async def main() -> None:
+        exact("empty")
+        tokens = {}
+        for i in range(6):
+            claim = await store.claim(f"k{i}", "fp" * i, 5.0)
+            assert isinstance(claim, Claimed)
+            tokens[i] = claim.token
+        exact("claims")
+        big = KeptAnswer(201, ((b"X-Big", b"v" * 300),), b"b" * 70_000)
+        for i in (0, 1, 2):
+            assert await store.complete(f"k{i}", tokens[i], big if i else ANSWER, 10.0)
+        exact("keep")
+        assert await store.release("k3", tokens[3])
+        exact("release")
+        clock.advance(6.0)  # k4, k5's leases ran out: taken over by a new claim
+        assert isinstance(await store.claim("k4", "fp" * 4, 5.0), Claimed)
+        exact("take-over")
+        clock.advance(11.0)  # k0-k2's answers are past their ttl: k1 claimed anew
+        assert isinstance(await store.claim("k1", "fp", 5.0), Claimed)
+        exact("expired key claimed anew")
+        assert await prune_pass(store, batch=2) > 0
+        exact("prune")
+        assert await store.forget("k1")
+        assert not await store.forget("k1")
+        exact("forget")
+        clock.advance(1000.0)
+        await prune_pass(store, batch=10)
+        exact("prune all")
+        assert real_tally(db)[0] == (0, 0)
+
+    try:
+        run(main)
+    finally:
+        store.close()
+    # Reopened, the tally is the file's (the schema's INSERT OR IGNORE keeps what is there).
+    again = opened(db, clock)
+    again.close()
+    exact("reopened")

@@ -181,6 +181,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
             }
         },
     },
+    # Guarded writes with the keys in SQLite: their file on the volume beside the DLQ's.
+    "idempotency": {
+        "sidecar": {
+            "policy": {
+                "defaults": {"idempotency": {"enabled": True}},
+                "routes": [{"name": "app", "match": {"path_prefix": "/"}, "upstream": "{{APP}}"}],
+            }
+        },
+    },
     "monitoring": {
         "monitoring": {
             "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
@@ -483,3 +492,106 @@ def test_what_needs_the_fleet_redis_is_refused_without_it():
     values = {"sidecar": {"policy": {"dlq": {"backend": "redis"}, "routes": app}}}
     with pytest.raises(helm.HelmError, match=r"dlq\.backend: redis needs fleet\.redis\.url"):
         render(values)
+
+
+# -- The idempotency keys' file: on the volume, bounded by its share of it (issue 29 item 7) -------
+
+APP = [{"name": "app", "upstream": "{{APP}}"}]
+GUARDED = {"defaults": {"idempotency": {"enabled": True}}, "routes": APP}
+
+
+def policy_of(values: dict[str, Any]) -> dict[str, Any]:
+    cfg: dict[str, Any] = yaml.safe_load(rendered_config(render(values)))
+    return cfg
+
+
+def test_the_idempotency_file_is_on_the_volume_and_bounded_by_its_share():
+    """The chart left idempotency.path at ./data under a read-only root filesystem and the
+    store at its 4 GiB / 10M-key defaults on a 1Gi volume: the keys' file could fill the volume
+    the DLQ's records need. Now both files are on /data, each bounded by a quarter of it."""
+    docs = render({"sidecar": {"policy": GUARDED}})
+    cfg = parse_text(rendered_config(docs))  # the sidecar's own loader takes it
+    assert cfg.idempotency.backend == "sqlite"
+    assert cfg.idempotency.path == "/data/idempotency.sqlite3"
+    mount = next(m for m in sidecar_container(docs)["volumeMounts"] if m["name"] == "dlq")
+    assert os.path.dirname(cfg.idempotency.path) == mount["mountPath"] == "/data"
+    w = workload(docs)
+    assert (
+        w["kind"] == "StatefulSet"
+        and w["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "dlq"
+    )
+    quarter = 2**30 // 4
+    assert (cfg.dlq.max_bytes, cfg.idempotency.max_bytes) == (quarter, quarter)
+    assert cfg.idempotency.max_records == quarter // 512
+    # Together within half of the volume (the rest: the WALs, -shm, free pages).
+    assert cfg.dlq.max_bytes + cfg.idempotency.max_bytes <= 2**30 // 2
+    big = policy_of({"dlq": {"persistence": {"size": "10Gi"}}, "sidecar": {"policy": GUARDED}})
+    assert big["idempotency"]["max_bytes"] == big["dlq"]["max_bytes"] == 10 * 2**30 // 4
+    assert big["idempotency"]["max_records"] == 10 * 2**30 // 4 // 512
+    # A route of its own enabling it counts as well as the defaults.
+    route = [{"name": "pay", "upstream": "{{APP}}", "idempotency": {"enabled": True}}]
+    assert (
+        policy_of({"sidecar": {"policy": {"routes": route}}})["idempotency"]["max_bytes"] == quarter
+    )
+
+
+def test_without_guarded_writes_the_dlq_keeps_half_the_volume():
+    cfg = policy_of({})
+    assert cfg["dlq"]["max_bytes"] == 2**30 // 2
+    assert cfg["idempotency"] == {"path": "/data/idempotency.sqlite3"}  # never opened, no bound
+
+
+def test_idempotency_bounds_of_ones_own_within_the_share_are_kept_and_beyond_refused():
+    own = {**GUARDED, "idempotency": {"max_bytes": 1000, "max_records": 10}}
+    assert policy_of({"sidecar": {"policy": own}})["idempotency"] == {
+        "path": "/data/idempotency.sqlite3",
+        "max_bytes": 1000,
+        "max_records": 10,
+    }
+    for name, too_big in (("max_bytes", 2**30 // 2), ("max_bytes", "1GiB"), ("max_records", 10**7)):
+        values = {"sidecar": {"policy": {**GUARDED, "idempotency": {name: too_big}}}}
+        with pytest.raises(helm.HelmError, match=rf"idempotency\.{name} must be a number at most"):
+            render(values)
+    # The DLQ's own bound is held to its quarter when it shares the volume.
+    values = {"sidecar": {"policy": {**GUARDED, "dlq": {"max_bytes": 2**30 // 2}}}}
+    with pytest.raises(helm.HelmError, match=r"at most a quarter of dlq\.persistence\.size"):
+        render(values)
+
+
+def test_keys_alone_on_the_volume_get_half_of_it():
+    """The DLQ in the fleet's Redis, the keys in SQLite: the pod still needs its volume."""
+    policy = {**GUARDED, "dlq": {"backend": "redis"}}
+    docs = render(
+        {"fleet": {"redis": {"url": "redis://redis:6379/0"}}, "sidecar": {"policy": policy}}
+    )
+    assert workload(docs)["kind"] == "StatefulSet"
+    cfg = parse_text(rendered_config(docs))
+    assert (
+        cfg.idempotency.max_bytes == 2**30 // 2 and cfg.idempotency.max_records == 2**30 // 2 // 512
+    )
+    assert cfg.idempotency.path == "/data/idempotency.sqlite3"
+
+
+def test_an_emptydir_gives_the_keys_file_its_path_and_no_bound_from_a_size():
+    docs = render({"dlq": {"persistence": {"enabled": False}}, "sidecar": {"policy": GUARDED}})
+    assert workload(docs)["kind"] == "Deployment"
+    cfg = yaml.safe_load(rendered_config(docs))
+    assert cfg["idempotency"] == {"path": "/data/idempotency.sqlite3"}
+
+
+def test_fleet_keys_get_no_volume_and_no_bound_from_one():
+    """Keys in the fleet's Redis (idempotency.backend: redis) are bounded by Redis's maxmemory:
+    no path, no bound derived from the volume, and no volume at all when the DLQ is there too."""
+    fleet = {"redis": {"url": "redis://redis:6379/0"}}
+    for dlq_backend, kind in (("redis", "Deployment"), ("sqlite", "StatefulSet")):
+        policy = {**GUARDED, "idempotency": {"backend": "redis"}, "dlq": {"backend": dlq_backend}}
+        docs = render({"fleet": fleet, "sidecar": {"policy": policy}})
+        assert workload(docs)["kind"] == kind
+        cfg = yaml.safe_load(rendered_config(docs))
+        assert cfg["idempotency"] == {"backend": "redis"}
+        if dlq_backend == "sqlite":
+            assert cfg["dlq"]["max_bytes"] == 2**30 // 2  # the DLQ alone on its volume
+    # A bound of the user's own stands, whatever the volume.
+    policy = {**GUARDED, "idempotency": {"backend": "redis", "max_records": 10**9}}
+    cfg = yaml.safe_load(rendered_config(render({"fleet": fleet, "sidecar": {"policy": policy}})))
+    assert cfg["idempotency"]["max_records"] == 10**9

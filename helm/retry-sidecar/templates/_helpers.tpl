@@ -59,23 +59,51 @@ RETRY_SIDECAR_REDIS_PASSWORD
 {{- $_ := set $policy "name" (include "retry-sidecar.fullname" .) -}}
 {{- $_ := set $policy "listen" (printf "0.0.0.0:%d" (int .Values.sidecar.proxyPort)) -}}
 {{- $_ := set $policy "admin" (dict "listen" (printf "0.0.0.0:%d" (int .Values.sidecar.adminPort)) "token_env" "RETRY_SIDECAR_ADMIN_TOKEN" "allowed_hosts" (default (list) .Values.sidecar.adminAllowedHosts)) -}}
+{{- /* The volume at /data holds the SQLite files: the DLQ's, and the idempotency keys' when a
+route enables idempotency with the sqlite backend. Half of it holds records and keys (each
+store's max_bytes), the rest is room for the WALs, their -shm, free pages and per-row overhead,
+so that "full" refuses records before the disk does. With both files on it, that half is split
+in two: a quarter of the volume for each. */ -}}
+{{- $dlqOnVolume := include "retry-sidecar.dlqOnVolume" . -}}
+{{- $keysOnVolume := include "retry-sidecar.idempotencyOnVolume" . -}}
+{{- $volume := include "retry-sidecar.volumeBytes" . | int64 -}}
+{{- $share := ternary 4 2 (and (not (empty $dlqOnVolume)) (not (empty $keysOnVolume))) -}}
+{{- $shareText := ternary "a quarter" "half" (eq $share 4) -}}
 {{- $dlq := default (dict) (get $policy "dlq") -}}
 {{- $_ := set $dlq "path" "/data/dlq.sqlite3" -}}
-{{- if include "retry-sidecar.dlqOnVolume" . }}
-{{- /* The DLQ may hold half of its volume: the rest is room for SQLite's WAL, its -shm, free
-pages and per-row overhead, so that "full" refuses records before the disk does. */ -}}
-{{- $size := .Values.dlq.persistence.size -}}
-{{- $units := dict "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 -}}
-{{- $volume := mul (regexFind "^[0-9]+" $size | int64) (get $units (regexFind "(Ki|Mi|Gi|Ti)$" $size)) -}}
-{{- $bound := div $volume 2 -}}
+{{- if $dlqOnVolume }}
+{{- $bound := div $volume $share -}}
 {{- if hasKey $dlq "max_bytes" }}
 {{- $given := get $dlq "max_bytes" -}}
 {{- if or (not (kindIs "float64" $given | or (kindIs "int" $given) | or (kindIs "int64" $given))) (gt (int64 $given) $bound) }}
-{{- fail (printf "sidecar.policy.dlq.max_bytes must be a number of bytes at most half of dlq.persistence.size (%d): the rest of the volume is room for SQLite's WAL; leave it out to get that bound" $bound) }}
+{{- fail (printf "sidecar.policy.dlq.max_bytes must be a number of bytes at most %s of dlq.persistence.size (%d): the rest of the volume is room for SQLite's WAL%s; leave it out to get that bound" $shareText $bound (ternary " and the idempotency keys" "" (eq $share 4))) }}
 {{- end }}
 {{- else }}
 {{- $_ := set $dlq "max_bytes" $bound -}}
 {{- end }}
+{{- end }}
+{{- $idem := default (dict) (get $policy "idempotency") -}}
+{{- if ne (toString (get $idem "backend")) "redis" }}
+{{- /* The keys' file on the volume too (the root filesystem is read-only). Its bounds: bytes as
+the DLQ's, and one key per KEY_DISK bytes of that share: a small key (an in-progress claim)
+counts about 200 bytes in the tally but takes about 350 on disk with its three indexes, so
+max_bytes alone would let many small keys outgrow their share. */ -}}
+{{- $_ := set $idem "path" "/data/idempotency.sqlite3" -}}
+{{- if $keysOnVolume }}
+{{- $bytes := div $volume $share -}}
+{{- $records := div $bytes (include "retry-sidecar.keyDiskBytes" . | int64) -}}
+{{- range $name, $bound := dict "max_bytes" $bytes "max_records" $records }}
+{{- if hasKey $idem $name }}
+{{- $given := get $idem $name -}}
+{{- if or (not (kindIs "float64" $given | or (kindIs "int" $given) | or (kindIs "int64" $given))) (gt (int64 $given) $bound) }}
+{{- fail (printf "sidecar.policy.idempotency.%s must be a number at most %d (%s of dlq.persistence.size%s): the rest of the volume is room for SQLite's WAL%s; leave it out to get that bound" $name $bound $shareText (ternary ", one key per 512 bytes" "" (eq $name "max_records")) (ternary " and the DLQ" "" (eq $share 4))) }}
+{{- end }}
+{{- else }}
+{{- $_ := set $idem $name $bound -}}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- $_ := set $policy "idempotency" $idem -}}
 {{- end }}
 {{- $_ := set $policy "dlq" $dlq -}}
 {{- with .Values.fleet }}
@@ -161,4 +189,40 @@ kept in the fleet's Redis (sidecar.policy.dlq.backend: redis), which needs no vo
 {{- define "retry-sidecar.dlqOnVolume" -}}
 {{- $dlq := default (dict) (get .Values.sidecar.policy "dlq") -}}
 {{- if and .Values.dlq.persistence.enabled (ne (toString (get $dlq "backend")) "redis") }}true{{ end -}}
+{{- end }}
+
+
+{{/* "true" when idempotency keys are kept in a SQLite file (not the fleet's Redis) and the
+policy enables idempotency (in defaults or on a route): the file is written only then. */}}
+{{- define "retry-sidecar.idempotencyInFile" -}}
+{{- $policy := .Values.sidecar.policy -}}
+{{- $idem := default (dict) (get $policy "idempotency") -}}
+{{- $defaults := default (dict) (get $policy "defaults") -}}
+{{- $used := get (default (dict) (get $defaults "idempotency")) "enabled" -}}
+{{- range (default (list) (get $policy "routes")) }}
+{{- if get (default (dict) (get . "idempotency")) "enabled" }}{{ $used = true }}{{ end }}
+{{- end }}
+{{- if and $used (ne (toString (get $idem "backend")) "redis") }}true{{ end -}}
+{{- end }}
+
+{{/* "true" when the idempotency keys' SQLite file is on the pod's volume (persistence on). */}}
+{{- define "retry-sidecar.idempotencyOnVolume" -}}
+{{- if and .Values.dlq.persistence.enabled (include "retry-sidecar.idempotencyInFile" .) }}true{{ end -}}
+{{- end }}
+
+{{/* "true" when the pod gets a volume claim: a SQLite file of the DLQ's or the keys' on it. */}}
+{{- define "retry-sidecar.persistent" -}}
+{{- if or (include "retry-sidecar.dlqOnVolume" .) (include "retry-sidecar.idempotencyOnVolume" .) }}true{{ end -}}
+{{- end }}
+
+{{/* dlq.persistence.size in bytes. */}}
+{{- define "retry-sidecar.volumeBytes" -}}
+{{- $size := .Values.dlq.persistence.size -}}
+{{- $units := dict "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 -}}
+{{- mul (regexFind "^[0-9]+" $size | int64) (get $units (regexFind "(Ki|Mi|Gi|Ti)$" $size)) -}}
+{{- end }}
+
+{{/* Disk bytes allowed per idempotency key in the volume's share: max_records = share / this. */}}
+{{- define "retry-sidecar.keyDiskBytes" -}}
+512
 {{- end }}
