@@ -82,6 +82,7 @@ mypycify(listed, opt_level="3", debug_level="0")
 
 
 @pytest.mark.slow
+@pytest.mark.once  # it reads the sources: the same result in either build
 def test_the_compiled_build_type_checks_as_mypyc_sees_it(tmp_path):
     """The type check setup.py's compiled build runs, in a copy of the tree (mypyc writes its C
     and a cache where it runs). It once failed on ``checks.size`` (an inferred alias that

@@ -17,7 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.slow  # pip-audit: a vulnerability lookup over the network
+# pip-audit: a vulnerability lookup over the network; the same result in either build
+pytestmark = [pytest.mark.slow, pytest.mark.once]
 
 
 def test_no_known_vulnerabilities_in_pinned_dependencies():

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.once  # the same result in either build: CI's compiled pass leaves it out
+
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 # Folders for tests that are not about one package: the real process end to end (and what

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.once  # the same result in either build: CI's compiled pass leaves it out
+
 ROOT = Path(__file__).resolve().parents[2]
 PYTEST = ["python3", "-m", "pytest"]
 
@@ -59,7 +63,8 @@ def test_ci_runs_the_readmes_full_command_in_both_passes():
     assert len(runs) == 2, runs  # the pure build, then the compiled one
     wanted = marker_expression(commands[-1])
     assert wanted == ""
-    assert [marker_expression(run) for run in runs] == [wanted, wanted]
+    # The compiled pass leaves out only what gives the same result in either build.
+    assert [marker_expression(run) for run in runs] == [wanted, "not once"]
 
 
 def test_the_readmes_full_command_deselects_nothing_and_plain_pytest_leaves_out_slow():
