@@ -332,7 +332,9 @@ async def test_a_redis_at_its_maxmemory_refuses_new_keys_by_on_store_error(
     follows on_store_error (503, or forwarded unguarded once), counted ``store-full`` (the
     alert's), nothing of the key written, the link still connected (a full Redis is not an
     unreachable one); a key it holds is still replayed; memory freed, keys are kept again."""
-    args = ("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")
+    # Room at start for the sidecar's pooled connections (opened at start: each has buffers in
+    # Redis's used memory); fill() then sets the bound just below what Redis uses.
+    args = ("--maxmemory", "32mb", "--maxmemory-policy", "noeviction")
     with running(tmp_path / "redis", *args) as server:
         idem = f"{{enabled: true, on_store_error: {on_error}}}"
         port, admin = await start_in(proc_stack, tmp_path / "a", fleet_config(app, server, idem))
