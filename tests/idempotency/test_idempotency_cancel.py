@@ -50,23 +50,31 @@ def test_a_guarded_write_cancelled_at_random_points_leaves_nothing_held(
         holdings = Holdings(clock)
         answered: set[str] = set()
 
-        def forward_of(key: str, takes: float) -> Forward:
+        loop = asyncio.get_running_loop()
+
+        def forward_of(key: str, takes: float, cut: float | None) -> Forward:
             async def forward() -> Forwarded:
+                if cut is not None:  # cut while the app works: timers on one clock, so
+                    loop.call_later(cut, tasks[key].cancel)  # which comes first is seeded
                 await asyncio.sleep(takes)
                 answered.add(key)
                 return Forwarded(201, (), key.encode(), False)
 
             return forward
 
+        # Half the writes are cut at a random moment from their start (in the claim, the
+        # renewals, the settle: wherever a loaded machine has them then), half at a random
+        # moment of the app's work, before or after it answers, whatever the store's speed.
         tasks: dict[str, asyncio.Task[GuardResult]] = {}
         for i in range(ROUNDS):
             key = f"cut-{i}"
-            forward = forward_of(key, rng.uniform(0.0, 0.12))
+            takes, cut = rng.uniform(0.0, 0.12), rng.uniform(0.0, 0.15)
+            forward = forward_of(key, takes, cut if i % 2 else None)
             tasks[key] = asyncio.ensure_future(
                 guarded(POLICY, store, _view(key), forward, clock, holdings=holdings)
             )
-        for task in tasks.values():
-            asyncio.get_running_loop().call_later(rng.uniform(0.0, 0.15), task.cancel)
+            if i % 2 == 0:
+                loop.call_later(cut, tasks[key].cancel)
         await asyncio.gather(*tasks.values(), return_exceptions=True)
         await until(
             lambda: not holdings.held and not holdings.retrying and not _tasks_left(),
