@@ -43,22 +43,30 @@ def cannot_check(reason: str) -> str:
     )
 
 
-async def check(link: FleetLink) -> str | None:
-    """Ask the Redis (one call, bounded by its timeout); raises ``FleetUnavailable`` when it
-    cannot be reached, so the caller asks again later."""
+async def config_get(link: FleetLink, pattern: str) -> dict[str, str] | str:
+    """``CONFIG GET pattern`` (one call, bounded by the link's timeout) as text, or the reason
+    the Redis would not say (``CONFIG`` disabled or renamed, no permission); raises
+    ``FleetUnavailable`` when it cannot be reached, so the caller asks again later. The one
+    reader of the Redis's settings: this module's and ``fleet.eviction``'s checks."""
     from redis.exceptions import ResponseError
 
     async def ask(c: Redis) -> dict[Any, Any] | ResponseError:
         try:
-            got: dict[Any, Any] = await c.config_get("append*")
+            got: dict[Any, Any] = await c.config_get(pattern)
             return got
-        except ResponseError as exc:  # CONFIG disabled or renamed, or no permission
+        except ResponseError as exc:
             return exc
 
     got = await link.call(ask)
     if isinstance(got, ResponseError):
-        return cannot_check(str(got) or type(got).__name__)
-    return judge({_text(k): _text(v) for k, v in got.items()})
+        return str(got) or type(got).__name__
+    return {_text(k): _text(v) for k, v in got.items()}
+
+
+async def check(link: FleetLink) -> str | None:
+    """The warning for the Redis's append-only settings, or None (``config_get``'s errors)."""
+    got = await config_get(link, "append*")
+    return cannot_check(got) if isinstance(got, str) else judge(got)
 
 
 def _text(v: object) -> str:

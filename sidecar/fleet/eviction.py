@@ -14,12 +14,9 @@ that refuses ``CONFIG`` (a managed one) is "unknown", also a warning, never fata
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
 
+from sidecar.fleet.aof import config_get
 from sidecar.fleet.connection import FleetLink
-
-if TYPE_CHECKING:
-    from redis.asyncio import Redis
 
 WANTED = "noeviction"
 # What an eviction means, by use (the link's use name).
@@ -54,22 +51,7 @@ def cannot_check(reason: str, use: str) -> str:
 
 
 async def check(link: FleetLink, use: str) -> str | None:
-    """Ask the Redis (one call, bounded by its timeout); raises ``FleetUnavailable`` when it
-    cannot be reached, so the caller asks again later."""
-    from redis.exceptions import ResponseError
-
-    async def ask(c: Redis) -> dict[Any, Any] | ResponseError:
-        try:
-            got: dict[Any, Any] = await c.config_get("maxmemory*")
-            return got
-        except ResponseError as exc:  # CONFIG disabled or renamed, or no permission
-            return exc
-
-    got = await link.call(ask)
-    if isinstance(got, ResponseError):
-        return cannot_check(str(got) or type(got).__name__, use)
-    return judge({_text(k): _text(v) for k, v in got.items()}, use)
-
-
-def _text(v: object) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+    """The warning for the Redis's eviction settings, or None; raises ``FleetUnavailable``
+    when it cannot be reached, so the caller asks again later."""
+    got = await config_get(link, "maxmemory*")
+    return cannot_check(got, use) if isinstance(got, str) else judge(got, use)
