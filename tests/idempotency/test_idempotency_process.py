@@ -596,3 +596,60 @@ async def test_max_bytes_bounds_the_kept_answers(
         assert sent < 20, "never refused"
     assert status == 503 and sent >= 1
     assert (await counts(admin))["store-full"] == 1
+
+
+# Heads an app may send that the sidecar refuses to relay (502 bad-response): the app ran the
+# write all the same.
+BAD_HEADS = {
+    "manyhdr": b"HTTP/1.1 201 Created\r\n"
+    + b"".join(b"X-H%d: v\r\n" % i for i in range(210))
+    + b"Content-Length: 2\r\n\r\nok",
+    "tegzip": b"HTTP/1.1 201 Created\r\nTransfer-Encoding: gzip, chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+    "s600": b"HTTP/1.1 600 Weird\r\nContent-Length: 2\r\n\r\nok",
+}
+
+
+async def test_an_answer_the_sidecar_cannot_relay_finishes_the_key(tmp_path, proc_stack):
+    """The app runs the write and answers with a head the sidecar refuses (too many fields, a
+    transfer coding it cannot relay, status 600): the client gets 502 bad-response, and the key
+    is finished with it (the app began the write), so the client's retries with the key get
+    that 502 replayed and never run the write again."""
+    runs: dict[str, int] = {}
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                await reader.readexactly(length)
+                kind = head.split(b" ")[1].rsplit(b"/", 1)[-1].decode()
+                runs[kind] = runs.get(kind, 0) + 1
+                writer.write(BAD_HEADS[kind])
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        upstream = WriteApp(port=server.sockets[0].getsockname()[1])
+        port, admin = await start(proc_stack, tmp_path, config(upstream, tmp_path))
+        for kind in BAD_HEADS:
+            status, headers, body = await post(port, key=f"bad-{kind}", path=f"/p/{kind}")
+            assert status == 502 and headers["x-retry-proxy-error"] == "bad-response", kind
+            for _ in range(2):
+                again, replayed, body2 = await post(port, key=f"bad-{kind}", path=f"/p/{kind}")
+                assert again == 502 and replayed["Idempotent-Replayed"] == "true", kind
+                assert json.loads(body2) == json.loads(body)
+        assert runs == {kind: 1 for kind in BAD_HEADS}
+        seen = await counts(admin)
+        assert seen["first"] == len(BAD_HEADS) and seen["replayed"] == 2 * len(BAD_HEADS)
+        assert seen.get("released", 0) == 0
+    finally:
+        server.close()
+        await server.wait_closed()
