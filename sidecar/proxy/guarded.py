@@ -101,8 +101,9 @@ def forwarded(ctx: RequestContext, held: HeldAnswer, resp: web.StreamResponse) -
     (``answer.not_begun``: 408, 425, 429, an error with ``Retry-After``), an answer a sidecar
     made itself (a connect failure, a reset, a timeout, an open breaker; an inner sidecar's
     too), but for one that stands for the app's answer (``outcomes.APP_ANSWERED``: a head it
-    sent that cannot be relayed), which finishes the key with the 502 the client got. An answer whose body broke after its head came is the app's answer all the same:
-    only its status is kept. A write the DLQ stored is not released: its key is finished with
+    sent that cannot be relayed), which finishes the key with the 502 the client got. An
+    answer whose body broke after its head came is the app's answer all the same: only its
+    status is kept. A write the DLQ stored is not released: its key is finished with
     the answer the client got (202 or the failure with ``x-retry-dlq: stored``), so no
     duplicate runs it beside the DLQ's replay."""
     if held.resp is None and not held.streamed and not held.broken:
