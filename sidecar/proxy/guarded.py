@@ -159,6 +159,7 @@ async def run_guarded(ctx: RequestContext, intake: Intake) -> web.StreamResponse
         tuple(ctx.headers),
         body or b"",
         route.timeout,
+        route.name,
         received=tuple(ctx.request.raw_headers),  # the scope: read before anything is stripped
     )
     held = HeldAnswer(route.idempotency.max_response_bytes)

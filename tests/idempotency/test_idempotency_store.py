@@ -21,7 +21,7 @@ import uvloop
 from sidecar.config.fleet import FleetRedis
 from sidecar.fleet.connection import FleetLink
 from sidecar.idempotency import schema
-from sidecar.idempotency.fingerprint import NO_SCOPE, scope_digest, stored_key
+from sidecar.idempotency.fingerprint import NO_SCOPE, legacy_key, scope_digest, stored_key
 from sidecar.idempotency.keep import KeptAnswer
 from sidecar.idempotency.prune import prune_pass
 from sidecar.idempotency.redisstore import RedisIdempotencyStore
@@ -153,18 +153,22 @@ def test_holders_finds_a_key_in_every_scope_by_the_key_alone(with_store: WithSto
     odd = "a*[b]?\\%_c"
 
     async def main(store: IdempotencyStore) -> None:
-        for name in (stored_key("k", alice), stored_key("k", NO_SCOPE), stored_key(odd, bob)):
+        for name in (
+            stored_key("k", alice, "orders"),
+            stored_key("k", NO_SCOPE, "orders"),
+            stored_key(odd, bob, "orders"),
+        ):
             claim = await store.claim(name, "fp", 30.0)
             assert isinstance(claim, Claimed)
-            if name != stored_key(odd, bob):  # one left in progress
+            if name != stored_key(odd, bob, "orders"):  # one left in progress
                 assert await store.complete(name, claim.token, ANSWER, 3600.0)
-        await store.claim(stored_key("kk", alice), "fp", 30.0)
-        await store.claim(stored_key("a1[b]x%_c", alice), "fp", 30.0)
-        assert await store.holders("k") == sorted([stored_key("k", alice), "- k"])
-        assert await store.holders(odd) == [stored_key(odd, bob)]
+        await store.claim(stored_key("kk", alice, "orders"), "fp", 30.0)
+        await store.claim(stored_key("a1[b]x%_c", alice, "orders"), "fp", 30.0)
+        assert await store.holders("k") == sorted([stored_key("k", alice, "orders"), "orders/- k"])
+        assert await store.holders(odd) == [stored_key(odd, bob, "orders")]
         assert await store.holders("nope") == []
-        assert await store.forget(stored_key("k", alice))
-        assert await store.holders("k") == ["- k"]
+        assert await store.forget(stored_key("k", alice, "orders"))
+        assert await store.holders("k") == ["orders/- k"]
 
     with_store(main)
 
@@ -181,7 +185,7 @@ def test_a_store_written_before_the_key_index_is_read_and_found(
         "fingerprint TEXT NOT NULL, token TEXT, created_at REAL NOT NULL, "
         "expires_at REAL NOT NULL, status INTEGER, headers TEXT, body BLOB, size INTEGER)"
     )
-    name = stored_key("old", "ab" * 32)
+    name = legacy_key("old", "ab" * 32)
     conn.execute(
         "INSERT INTO idempotency_keys VALUES (?, 1, 'fp', NULL, ?, ?, 201, '[]', x'7b7d', NULL)",
         (name, clock.wall(), clock.wall() + 3600),
