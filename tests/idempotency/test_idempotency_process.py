@@ -653,3 +653,40 @@ async def test_an_answer_the_sidecar_cannot_relay_finishes_the_key(tmp_path, pro
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_the_same_key_on_two_routes_is_two_keys(tmp_path, proc_stack):
+    """Two routes told apart by Host (two apps), both guarding writes, no ``scope_header``: the
+    same key, path and body on green after blue runs green's write (never blue's kept answer),
+    each is replayed on its own route, and the admin API finds the key on both by the key
+    alone, naming route and scope."""
+    blue, green = WriteApp(), WriteApp()
+    async with serve(blue.handle) as blue.port, serve(green.handle) as green.port:
+        body = (
+            f'idempotency: {{path: "{tmp_path}/keys.sqlite3"}}\n'
+            "defaults:\n  idempotency: {enabled: true}\n"
+            "routes:\n"
+            "  - name: blue\n"
+            "    match: {path_prefix: /orders, headers: {host: blue.example}}\n"
+            f'    upstream: "http://127.0.0.1:{blue.port}"\n'
+            "  - name: green\n"
+            "    match: {path_prefix: /orders, headers: {host: green.example}}\n"
+            f'    upstream: "http://127.0.0.1:{green.port}"\n'
+        )
+        port, admin = await start(proc_stack, tmp_path, body)
+        url = f"http://127.0.0.1:{port}/orders"
+        for host, app in (("blue.example", blue), ("green.example", green)):
+            for n in range(2):
+                headers = {"Host": host, "Idempotency-Key": "order-1"}
+                status, got, _ = await call("POST", url, data=b'{"amount":1}', headers=headers)
+                assert status == 201 and ("Idempotent-Replayed" in got) == (n == 1), (host, n)
+            assert got["X-App"] == "yes" and len(app.writes) == 1, host
+        status, _, shown = await call("GET", f"http://127.0.0.1:{admin}/idempotency/order-1")
+        assert status == 200
+        held = json.loads(shown)["scopes"]
+        assert sorted((s["route"], s["scope"]) for s in held) == [("blue", "-"), ("green", "-")]
+        status, _, _ = await call("DELETE", f"http://127.0.0.1:{admin}/idempotency/order-1")
+        assert status == 409  # two hold it: the route must be named
+        forget = f"http://127.0.0.1:{admin}/idempotency/order-1?route=green"
+        status, _, gone = await call("DELETE", forget)
+        assert status == 200 and json.loads(gone)["route"] == "green"
