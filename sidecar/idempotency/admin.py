@@ -104,7 +104,7 @@ def _several(held: list[str]) -> web.Response:
     labels = ", ".join(_shown_as(s) for s in held)
     return error(
         409,
-        f"the key is held {len(held)} times ({labels}): name one with ?route=<name> and "
+        f"the key is held in {len(held)} scopes ({labels}): name one with ?route=<name> and "
         "?scope=<label> (retry-sidecar idempotency ... --route NAME --scope LABEL)",
     )
 
