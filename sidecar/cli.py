@@ -178,7 +178,7 @@ def cmd_idempotency(args: argparse.Namespace) -> int:
     """idempotency show|forget KEY against a running sidecar's admin API."""
     from sidecar.admin.verbs import cmd_idempotency as idempotency
 
-    return idempotency(_admin_target(args), args.idem_verb, args.key, args.scope)
+    return idempotency(_admin_target(args), args.idem_verb, args.key, args.scope, route=args.route)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -347,6 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
         iv.add_argument(
             "--scope",
             help="one scope of the key (routes with scope_header): the label show lists, or -",
+        )
+        iv.add_argument(
+            "--route",
+            help="the key on one route (keys live per route), or - for names stored without one",
         )
     idem.set_defaults(func=cmd_idempotency)
 

@@ -252,6 +252,12 @@ ROWS: Final[tuple[OutcomeRow, ...]] = (
     INTERNAL,
     BAD_REQUEST,
 )
+# The sidecar's own answers that stand for an answer the app gave (its head came, refused as
+# unrelayable): the app began the write, so a guarded write's key is finished with this answer,
+# never released for a retry to run it again (``proxy/guarded.py``). No other row is: a
+# connect failure, an overload, a refusal never reached the app; a reset or a per-try timeout
+# after the request went out may or may not have, and the route's retry policy decides.
+APP_ANSWERED: Final = frozenset({BAD_RESPONSE.code})
 BY_KIND: Final[dict[OutcomeKind, OutcomeRow]] = {r.kind: r for r in ROWS if r.kind is not None}
 BY_CODE: Final[dict[str, OutcomeRow]] = {r.code: r for r in ROWS}
 

@@ -231,12 +231,15 @@ def cmd_killswitch(
     return 0
 
 
-def cmd_idempotency(target: AdminTarget, verb: str, key: str, scope: str | None) -> int:
+def cmd_idempotency(
+    target: AdminTarget, verb: str, key: str, scope: str | None, *, route: str | None = None
+) -> int:
     """``idempotency show KEY`` prints what is kept under it; ``forget KEY`` deletes it (the
     next request with it runs as a first one)."""
     path = "/idempotency/" + quote(key, safe="")
-    if scope:
-        path += "?" + urlencode({"scope": scope})
+    query = {k: v for k, v in (("scope", scope), ("route", route)) if v}
+    if query:
+        path += "?" + urlencode(query)
     status, body = call_admin(target, "GET" if verb == "show" else "DELETE", path)
     if status != 200:
         return fail(status, body)

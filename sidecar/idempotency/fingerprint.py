@@ -1,10 +1,13 @@
 """What makes two requests "the same", and the name a key is stored under. Pure.
 
 The fingerprint covers the method, the target as sent, a digest of the body and, when the route
-sets ``scope_header``, a digest of that header's value. The stored name of key K is the scope
-digest and K, so the same K from two clients (two ``Authorization`` values) is two keys: one
-client never reads another's answer (the draft's composite key). Only digests are stored, never
-the header's value.
+sets ``scope_header``, a digest of that header's value. The stored name of key K on route R is
+``R/<scope> K`` (``stored_key``): the same K from two clients (two ``Authorization`` values) is
+two keys, so one client never reads another's answer (the draft's composite key), and so is the
+same K on two routes (two apps: a client's counter-style keys on two services never collide).
+Only digests are stored, never the header's value. The previous versions stored ``<scope> K``,
+without the route (``legacy_key``): a claim still reads that name, until it expires, so no
+write runs twice across an upgrade.
 """
 
 from __future__ import annotations
@@ -57,6 +60,13 @@ def fingerprint(method: str, target: bytes, body: bytes, scope: str) -> str:
     )
 
 
-def stored_key(key: str, scope: str) -> str:
-    """A key never holds a space (visible ASCII only), so the space separates unambiguously."""
+def stored_key(key: str, scope: str, route: str) -> str:
+    """A key never holds a space (visible ASCII only), so the space separates unambiguously; a
+    route's name holds no ``/`` nor space (``config.checks.ROUTE_NAME``), a scope neither."""
+    return f"{route}/{scope} {key}"
+
+
+def legacy_key(key: str, scope: str) -> str:
+    """The name the previous versions stored key K under (no route): read by a claim while
+    the new name is absent, never written."""
     return f"{scope} {key}"

@@ -35,7 +35,7 @@ from sidecar.core import Clock
 from sidecar.idempotency import problem
 from sidecar.idempotency.answer import Answer, Forwarded, Headers
 from sidecar.idempotency.decision import retry_after
-from sidecar.idempotency.fingerprint import fingerprint, scope_digest, stored_key
+from sidecar.idempotency.fingerprint import fingerprint, legacy_key, scope_digest, stored_key
 from sidecar.idempotency.holding import Holdings
 from sidecar.idempotency.keep import Disposition, dispose, kept, replay
 from sidecar.idempotency.key import BadKey, NoKey, parse_key
@@ -71,6 +71,7 @@ class RequestView:
     headers: Headers  # as they go upstream: hop-by-hop ones (and those Connection names) out
     body: bytes  # whole: a guarded write's body is buffered so it can be fingerprinted
     route_timeout: float  # the route's ``timeout``: the lease when the policy sets none
+    route: str  # the route's name: keys live per route (``fingerprint.stored_key``)
     # The client's headers as received, before anything was stripped (hop-by-hop fields, those
     # ``Connection`` names, ``Proxy-*``): the scope is read from them, so a credential the
     # sidecar does not send upstream still tells two clients apart. None: ``headers``.
@@ -110,7 +111,7 @@ async def guarded(
     received = request.headers if request.received is None else request.received
     scope = scope_digest(received, policy.scope_header)
     fp = fingerprint(request.method, request.target, request.body, scope)
-    skey = stored_key(key, scope)
+    skey = stored_key(key, scope, request.route)
     lease = policy.lease_for(request.route_timeout)
     if holdings.holds(skey):  # a live request of this process: never taken over
         if holdings.fingerprint_of(skey) != fp:
@@ -118,7 +119,7 @@ async def guarded(
         wait = retry_after(clock.wall() + holdings.lease_of(skey), clock.wall())
         return GuardResult(problem.in_progress(key, wait), O.IN_PROGRESS)
     try:
-        claim = await store.claim(skey, fp, lease)
+        claim = await store.claim(skey, fp, lease, legacy_key(key, scope))
     except StoreError as exc:
         warnings = holdings.store_warnings
         if warnings.allow(clock.monotonic()):

@@ -78,25 +78,31 @@ def hash_fields(got: object, what: str) -> Mapping[bytes | str, bytes | str]:
 
 @dataclass(frozen=True, slots=True)
 class ClaimReply:
-    code: int  # 0: judge ``fields``; 1, 2: claimed; 3: refused past its deadline
+    code: int  # 0: judge ``fields``; 1, 2: claimed; 3: refused past its deadline; 4: judge
+    # ``fields``, the legacy name's
     now: float  # Redis's clock when the script ran
-    fields: dict[bytes | str, bytes | str] | None  # code 0 only
+    fields: dict[bytes | str, bytes | str] | None  # codes 0 and 4 only
 
 
-CLAIM_CODES = (0, 1, 2, 3)
+CLAIM_CODES = (0, 1, 2, 3, 4)
+JUDGE_CODES = (0, 4)
 
 
 def claim_reply(reply: object) -> ClaimReply:
-    """The claim script's answer: ``{code, now}`` or ``{0, now, fields}``."""
+    """The claim script's answer: ``{code, now}`` or ``{0 or 4, now, fields}``."""
     shape = f"{_shown(reply)}, not a claim's answer"
     if not isinstance(reply, list) or len(reply) not in (2, 3):
         raise BadReply(f"Redis answered a claim with {shape}")
     code = reply[0]
-    if type(code) is not int or code not in CLAIM_CODES or (len(reply) == 3) != (code == 0):
+    if (
+        type(code) is not int
+        or code not in CLAIM_CODES
+        or (len(reply) == 3) != (code in JUDGE_CODES)
+    ):
         raise BadReply(f"Redis answered a claim with {shape}")
     with checking("a claim"):
         now = number(reply[1])
-    fields = pairs(reply[2], "a claim") if code == 0 else None
+    fields = pairs(reply[2], "a claim") if code in JUDGE_CODES else None
     return ClaimReply(code, now, fields)
 
 

@@ -48,7 +48,6 @@ from sidecar.core import Clock
 from sidecar.fleet.connection import BadReply, FleetLink, FleetUnavailable
 from sidecar.idempotency import redisreply as shape
 from sidecar.idempotency.decision import Decision, KeyState, decide
-from sidecar.idempotency.fingerprint import NO_SCOPE, stored_key
 from sidecar.idempotency.keep import KeptAnswer
 from sidecar.idempotency.store import (
     ABANDONED_KEEP,
@@ -70,7 +69,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 SCAN_COUNT = 1000  # keys a SCAN round looks at (``holders``)
-SCOPE_DIGEST = re.compile(r"[0-9a-f]{64}\Z")
+# The part of a stored name before its space: ``<route>/<scope>`` (``stored_key``), or a legacy
+# name's ``<scope>`` (``legacy_key``), the scope ``-`` or a 64-hex digest.
+NAME_HEAD = re.compile(r"([A-Za-z0-9][A-Za-z0-9_.-]{0,62}/)?(-|[0-9a-f]{64})\Z")
 ROUNDS = 50  # rounds of one claim (each lost to another writer) before it is a store error
 
 # The server's clock, in seconds (``TIME``: seconds and microseconds), as a string of the
@@ -81,12 +82,14 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 """
 # The fields a claim's compare-and-set compares: what ``decide`` reads, and the token.
 VERSION = ("finished", "fingerprint", "token", "expires_at")
-# KEYS[1]: the key; ARGV: fingerprint, token, lease (seconds), px (the lease plus the abandoned
-# keep), the state judged ('' on a first try: claim only an absent key; else VERSION's fields
-# joined by '|': claim only over exactly that state), the deadline on the server's clock ('':
-# none). Answers {1, now}: claimed an absent key; {2, now}: claimed over the state judged;
-# {0, now, fields}: nothing written, judge these; {3, now}: run past its deadline (the sidecar
-# gave up on it), nothing written.
+# KEYS[1]: the key; KEYS[2] (optional): its legacy name (``fingerprint.legacy_key``), only read;
+# ARGV: fingerprint, token, lease (seconds), px (the lease plus the abandoned keep), the state
+# judged ('' on a first try: claim only an absent key; else VERSION's fields joined by '|':
+# claim only over exactly that state), the deadline on the server's clock ('': none), the
+# legacy key's state judged ('': none; else claim only while it still holds exactly that).
+# Answers {1, now}: claimed an absent key; {2, now}: claimed over the state judged; {0, now,
+# fields}: nothing written, judge these; {3, now}: run past its deadline (the sidecar gave up on
+# it), nothing written; {4, now, fields}: the key absent, its legacy name live: judge these.
 _CLAIM = (
     _NOW
     + """
@@ -99,6 +102,12 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
   local held = (v[1] or '') .. '|' .. (v[2] or '') .. '|' .. (v[3] or '') .. '|' .. (v[4] or '')
   if ARGV[5] == '' or held ~= ARGV[5] then
     return {0, nowtext, redis.call('HGETALL', KEYS[1])}
+  end
+elseif KEYS[2] and redis.call('EXISTS', KEYS[2]) == 1 then
+  local v = redis.call('HMGET', KEYS[2], 'finished', 'fingerprint', 'token', 'expires_at')
+  local held = (v[1] or '') .. '|' .. (v[2] or '') .. '|' .. (v[3] or '') .. '|' .. (v[4] or '')
+  if held ~= ARGV[7] then
+    return {4, nowtext, redis.call('HGETALL', KEYS[2])}
   end
 end
 local code = 1
@@ -237,33 +246,46 @@ class RedisIdempotencyStore:
         except FleetUnavailable as exc:
             raise StoreError(str(exc)) from None
 
-    async def claim(self, key: str, fingerprint: str, lease: float) -> ClaimResult:
+    async def claim(
+        self, key: str, fingerprint: str, lease: float, legacy: str | None = None
+    ) -> ClaimResult:
         token = secrets.token_hex(16)
         name = self._name(key)
+        names = [name] if legacy is None else [name, self._name(legacy)]
         args = [fingerprint, token, repr(float(lease)), str(_ms(lease + self._abandoned_keep))]
         # At or before the link's own deadline for this call (it starts counting later).
         deadline = self._clock.monotonic() + self._link.timeout
 
         async def run(client: Redis) -> ClaimResult:
             judged = ""  # first try: claim the key only if it is absent
-            took_over = False
+            judged_legacy = ""  # the legacy name's state judged claimable ('': none yet)
+            took_over = legacy_took_over = False
             if self._redis_clock.offset is None:
                 await self._learn_time(client)
             for _ in range(ROUNDS):
                 with shape.checking("a claim"):
+                    deadline_text = self._redis_clock.deadline(deadline)
                     got = await self._claim_round(
-                        client, name, [*args, judged, self._redis_clock.deadline(deadline)]
+                        client, names, [*args, judged, deadline_text, judged_legacy]
                     )
                 reply = shape.claim_reply(got)
                 code, now = reply.code, reply.now
                 self._redis_clock.learn(now, self._clock.monotonic())
                 if code == 3:
                     raise StoreError("the claim reached Redis after its deadline; nothing written")
-                if code:
-                    return Claimed(token, took_over=took_over and code == 2)
+                if code in (1, 2):
+                    taken = (took_over and code == 2) or legacy_took_over
+                    return Claimed(token, took_over=taken)
                 fields = reply.fields or {}
                 with shape.checking("a claim"):
                     decision = decide(_state(fields), fingerprint, now)
+                    if code == 4 and legacy is not None:  # the legacy name, read only
+                        if decision is Decision.REPLAYED:
+                            return Finished(_record(legacy, fields))
+                        if decision in (Decision.FIRST, Decision.LEASE_EXPIRED):
+                            judged_legacy = "|".join(_text(fields, n) for n in VERSION)
+                            legacy_took_over = decision is Decision.LEASE_EXPIRED
+                            continue
                     if decision is Decision.IN_PROGRESS:
                         # The holder's lease end, told on this sidecar's wall clock.
                         left = shape.number(_raw(fields, "expires_at")) - now
@@ -291,14 +313,14 @@ class RedisIdempotencyStore:
             got = await client.time()
         self._redis_clock.learn(shape.redis_time(got), self._clock.monotonic())
 
-    async def _claim_round(self, client: Redis, name: str, args: list[str]) -> list[Any]:
+    async def _claim_round(self, client: Redis, names: list[str], args: list[str]) -> list[Any]:
         """One run of the claim script: one round trip. A Redis at its ``maxmemory`` with
         ``noeviction`` refuses the script at its first write (``OOM``), before anything is
         written: the store is full (``StoreFull``), not unreachable, so the link stays up."""
         from redis.exceptions import OutOfMemoryError
 
         try:
-            reply: list[Any] = await self._claim(keys=[name], args=args, client=client)
+            reply: list[Any] = await self._claim(keys=names, args=args, client=client)
         except OutOfMemoryError as exc:
             raise StoreFull(f"the fleet Redis is at its maxmemory (noeviction): {exc}") from None
         return reply
@@ -369,12 +391,10 @@ class RedisIdempotencyStore:
         return await self._call(delete)
 
     async def holders(self, key: str) -> list[str]:
-        """The unscoped name read directly; the scoped ones (a 64-hex digest, a space, the key)
-        found with ``SCAN MATCH``, one bounded call per round of ``SCAN_COUNT``."""
+        """Every name (a route and scope, or a legacy scope; a space; the key) found with
+        ``SCAN MATCH``, one bounded call per round of ``SCAN_COUNT``."""
         found: list[str] = []
-        if await self._call(lambda c: c.exists(self._name(stored_key(key, NO_SCOPE)))):
-            found.append(stored_key(key, NO_SCOPE))
-        pattern = _glob(self._prefix) + "?" * 64 + " " + _glob(key)
+        pattern = _glob(self._prefix) + "* " + _glob(key)
         start = len(self._prefix)
         cursor: int = 0
 
@@ -385,8 +405,8 @@ class RedisIdempotencyStore:
             cursor, names = await self._call(scan(cursor))
             for name in names:
                 stored = (name.decode("latin-1") if isinstance(name, bytes) else name)[start:]
-                scope = stored.split(" ", 1)[0]
-                if SCOPE_DIGEST.match(scope) and stored not in found:
+                head, _, rest = stored.partition(" ")
+                if rest == key and NAME_HEAD.match(head) and stored not in found:
                     found.append(stored)
             if cursor == 0 or len(found) >= HOLDERS_MAX:
                 return sorted(found)[:HOLDERS_MAX]

@@ -112,8 +112,21 @@ def claim_tx(
     now: float,
     *,
     bounds: Bounds | None = None,
+    legacy: str | None = None,
 ) -> ClaimResult:
     row = _row(conn, key)
+    if row is None and legacy is not None:
+        # The previous version's name for the same key, read only: judged as the key's own
+        # while live; past its ttl or lease, as absent (the new name is claimed).
+        old = _row(conn, legacy)
+        if old is not None:
+            judged = decide(KeyState(bool(old[1]), old[2], old[5]), fingerprint, now)
+            if judged is Decision.IN_PROGRESS:
+                return Busy(float(old[5]))
+            if judged is Decision.MISMATCH:
+                return Mismatch()
+            if judged is Decision.REPLAYED:
+                return Finished(_record(old))
     state = None if row is None else KeyState(bool(row[1]), row[2], row[5])
     decision = decide(state, fingerprint, now)
     if decision is Decision.FIRST or decision is Decision.LEASE_EXPIRED:
@@ -393,12 +406,16 @@ class SqliteIdempotencyStore:
         self._written = True
         return value
 
-    async def claim(self, key: str, fingerprint: str, lease: float) -> ClaimResult:
+    async def claim(
+        self, key: str, fingerprint: str, lease: float, legacy: str | None = None
+    ) -> ClaimResult:
         await self._unheld()
         token, now = secrets.token_hex(16), self._clock.wall()
         bounds = self.bounds
         return self._write(
-            lambda conn: claim_tx(conn, key, fingerprint, lease, token, now, bounds=bounds)
+            lambda conn: claim_tx(
+                conn, key, fingerprint, lease, token, now, bounds=bounds, legacy=legacy
+            )
         )
 
     async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> bool:

@@ -15,7 +15,8 @@ never holds a key nobody owns.
 How a Redis backend implements it (one string key per idempotency key, ``<prefix>:<stored key>``,
 a hash or a packed value: state, fingerprint, token, expiry, answer):
 
-- ``claim``: a Lua script, atomic on the server: ``GET``; if absent (or finished and expired):
+- ``claim``: a Lua script, atomic on the server (the legacy name a second key it only
+  reads): ``GET``; if absent (or finished and expired):
   ``SET key <held, fp, token> NX PX <lease>`` -> Claimed; finished, same fingerprint ->
   Finished; another fingerprint -> Mismatch; held and its ``PTTL`` > 0 -> Busy(now + PTTL);
   held past its lease -> overwrite with the new token -> Claimed (taken over). The key's own
@@ -124,7 +125,7 @@ class Busy:
 
 @dataclass(frozen=True, slots=True)
 class KeyRecord:
-    key: str  # the stored key (scope digest and key)
+    key: str  # the stored key (route, scope digest and key; or a legacy name)
     finished: bool
     fingerprint: str
     created_at: float  # wall clock: claimed (in progress) or completed (finished)
@@ -146,7 +147,15 @@ ClaimResult = Claimed | Busy | Finished | Mismatch
 
 
 class IdempotencyStore(Protocol):
-    async def claim(self, key: str, fingerprint: str, lease: float) -> ClaimResult: ...
+    async def claim(
+        self, key: str, fingerprint: str, lease: float, legacy: str | None = None
+    ) -> ClaimResult:
+        """``legacy``: the name the previous version stored the same key under
+        (``fingerprint.legacy_key``). While ``key`` is absent, a live key under ``legacy`` is
+        judged as if it were ``key``'s (finished: replayed or a mismatch; in progress: busy
+        or a mismatch), read only, in the same atomic step; a legacy key past its ttl or
+        lease is as absent."""
+        ...
 
     async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> bool:
         """True when the key was ours and is now finished; False when it was not ours any
@@ -168,9 +177,9 @@ class IdempotencyStore(Protocol):
     async def forget(self, key: str) -> bool: ...
 
     async def holders(self, key: str) -> list[str]:
-        """The stored keys (``fingerprint.stored_key``: one per scope) that hold the client's
-        ``key``, in any state, at most ``HOLDERS_MAX``: how a support engineer finds a scoped
-        key by the key alone."""
+        """The stored keys (``fingerprint.stored_key``: one per route and scope, and any
+        legacy name) that hold the client's ``key``, in any state, at most ``HOLDERS_MAX``:
+        how a support engineer finds a key by the key alone."""
         ...
 
     async def prune(self, limit: int) -> int:
@@ -182,7 +191,9 @@ class StoreNotOpen:
     """The store of a process whose idempotency file is not open (yet, or any more): every
     call is a ``StoreError``, so the route's ``on_store_error`` applies."""
 
-    async def claim(self, key: str, fingerprint: str, lease: float) -> ClaimResult:
+    async def claim(
+        self, key: str, fingerprint: str, lease: float, legacy: str | None = None
+    ) -> ClaimResult:
         raise StoreError("the idempotency store is not open")
 
     async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> bool:

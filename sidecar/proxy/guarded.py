@@ -100,8 +100,10 @@ def forwarded(ctx: RequestContext, held: HeldAnswer, resp: web.StreamResponse) -
     released): a status in ``retry_on``, an answer that says the app did not begin the write
     (``answer.not_begun``: 408, 425, 429, an error with ``Retry-After``), an answer a sidecar
     made itself (a connect failure, a reset, a timeout, an open breaker; an inner sidecar's
-    too). An answer whose body broke after its head came is the app's answer all the same:
-    only its status is kept. A write the DLQ stored is not released: its key is finished with
+    too), but for one that stands for the app's answer (``outcomes.APP_ANSWERED``: a head it
+    sent that cannot be relayed), which finishes the key with the 502 the client got. An
+    answer whose body broke after its head came is the app's answer all the same: only its
+    status is kept. A write the DLQ stored is not released: its key is finished with
     the answer the client got (202 or the failure with ``x-retry-dlq: stored``), so no
     duplicate runs it beside the DLQ's replay."""
     if held.resp is None and not held.streamed and not held.broken:
@@ -109,7 +111,10 @@ def forwarded(ctx: RequestContext, held: HeldAnswer, resp: web.StreamResponse) -
         own = resp.body if isinstance(resp, web.Response) else None
         body = own if isinstance(own, bytes) else None
         stored = resp.headers.get("x-retry-dlq") == "stored"
-        return Forwarded(resp.status, _headers(resp), body, not stored)
+        # An answer the app gave that the sidecar could not relay (bad-response): the app
+        # began the write, so the key is finished with the 502 the client got.
+        app_answered = resp.headers.get("x-retry-proxy-error") in outcomes.APP_ANSWERED
+        return Forwarded(resp.status, _headers(resp), body, not (stored or app_answered))
     # None: relayed as it came, or broken mid-body -- the app answered (the write took
     # effect), so its status is kept; a duplicate is told its answer was not kept.
     kept = held.body if held.resp is not None else None
@@ -154,6 +159,7 @@ async def run_guarded(ctx: RequestContext, intake: Intake) -> web.StreamResponse
         tuple(ctx.headers),
         body or b"",
         route.timeout,
+        route.name,
         received=tuple(ctx.request.raw_headers),  # the scope: read before anything is stripped
     )
     held = HeldAnswer(route.idempotency.max_response_bytes)

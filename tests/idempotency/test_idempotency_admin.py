@@ -57,7 +57,7 @@ async def test_show_and_forget_a_key_over_the_api_and_the_cli(app: WriteApp, tmp
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["answer"]["status"] == 201
         out = await cli("idempotency", "forget", "ord/1", "--config", str(cfg))
-        assert out.returncode == 0 and json.loads(out.stdout)["forgotten"] == "- ord/1"
+        assert out.returncode == 0 and json.loads(out.stdout)["forgotten"] == "orders/- ord/1"
         again = await cli("idempotency", "forget", "ord/1", "--config", str(cfg))
         assert again.returncode == 1 and again.stderr.startswith("error: 404")
         status, headers, _ = await post(port, key="ord/1")  # forgotten: runs as a first one

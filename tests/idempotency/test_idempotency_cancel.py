@@ -33,7 +33,7 @@ ROUNDS = 40
 
 def _view(key: str) -> RequestView:
     headers = ((b"Idempotency-Key", key.encode()),)
-    return RequestView("POST", b"/orders", headers, b"{}", 1.0)
+    return RequestView("POST", b"/orders", headers, b"{}", 1.0, "orders")
 
 
 def _tasks_left() -> set[str]:
@@ -82,7 +82,7 @@ def test_a_guarded_write_cancelled_at_random_points_leaves_nothing_held(
         )
         assert not holdings.renewing
         for key in tasks:
-            record = await store.get(stored_key(key, NO_SCOPE))
+            record = await store.get(stored_key(key, NO_SCOPE, "orders"))
             finished = record is not None and record.finished
             assert finished == (key in answered), (key, record)
             if finished:

@@ -39,7 +39,7 @@ def view(
     if key is not None:
         headers.append((b"Idempotency-Key", key))
     headers += [(k.replace("_", "-").encode(), v) for k, v in extra.items()]
-    return RequestView(method, b"/orders", tuple(headers), body, route_timeout=60.0)
+    return RequestView(method, b"/orders", tuple(headers), body, route_timeout=60.0, route="orders")
 
 
 @dataclass
@@ -108,7 +108,7 @@ def test_unguarded_requests_pass_untouched(
         assert got.outcome is None and isinstance(got.answer, Forwarded)
         off = await guarded(IdempotencyPolicy(), store, view(), app.forward, clock)
         assert off.outcome is None
-        assert app.calls == 2 and await store.get(stored_key("k1", NO_SCOPE)) is None
+        assert app.calls == 2 and await store.get(stored_key("k1", NO_SCOPE, "orders")) is None
 
     run(main)
 
@@ -235,7 +235,7 @@ def test_a_cancellation_half_way_leaves_the_key_in_progress_until_its_lease(
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        record = await store.get(stored_key("k1", NO_SCOPE))
+        record = await store.get(stored_key("k1", NO_SCOPE, "orders"))
         assert record is not None and not record.finished
         gate.set()
         assert (await guarded(POLICY, store, view(), app.forward, clock)).outcome is O.IN_PROGRESS
@@ -253,7 +253,7 @@ def test_a_timeout_or_an_exception_around_forward_leaves_the_key_in_progress(
         app = App(gate=asyncio.Event())  # never set: the app never answers
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(guarded(POLICY, store, view(), app.forward, clock), 0.05)
-        record = await store.get(stored_key("k1", NO_SCOPE))
+        record = await store.get(stored_key("k1", NO_SCOPE, "orders"))
         assert record is not None and not record.finished
 
         async def broken() -> Forwarded:
@@ -261,7 +261,7 @@ def test_a_timeout_or_an_exception_around_forward_leaves_the_key_in_progress(
 
         with pytest.raises(RuntimeError):
             await guarded(POLICY, store, view(key=b"k2"), broken, clock)
-        record = await store.get(stored_key("k2", NO_SCOPE))
+        record = await store.get(stored_key("k2", NO_SCOPE, "orders"))
         assert record is not None and not record.finished
 
     run(main)
@@ -288,7 +288,7 @@ def test_a_cancellation_while_completing_still_completes(
         )
         with pytest.raises(asyncio.CancelledError):
             await task
-        key = stored_key("k1", NO_SCOPE)
+        key = stored_key("k1", NO_SCOPE, "orders")
         await until(lambda: not holdings.held and not holdings.retrying, "the key settled")
         record = await store.get(key)
         assert record is not None and record.finished
@@ -348,7 +348,9 @@ def test_a_dead_holders_key_is_taken_over_after_its_lease_and_counted(
         request = view()
         # What a sidecar killed mid-request leaves: a claim nobody will complete or release.
         fp = fingerprint("POST", request.target, request.body, NO_SCOPE)
-        assert isinstance(await store.claim(stored_key("k1", NO_SCOPE), fp, 65.0), Claimed)
+        assert isinstance(
+            await store.claim(stored_key("k1", NO_SCOPE, "orders"), fp, 65.0), Claimed
+        )
         assert (await guarded(POLICY, store, request, app.forward, clock)).outcome is O.IN_PROGRESS
         clock.advance(65.0)
         assert (
@@ -389,7 +391,7 @@ def test_once_the_answer_head_came_the_key_is_finished_whatever_ends_forward(
             gate.set()
         with pytest.raises(asyncio.CancelledError if end == "cancelled" else ConnectionError):
             await task
-        record = await store.get(stored_key("k1", NO_SCOPE))
+        record = await store.get(stored_key("k1", NO_SCOPE, "orders"))
         assert record is not None and record.finished
         assert record.answer == KeptAnswer(200, (), None, None)
         app = App()
@@ -419,7 +421,7 @@ def test_the_holder_renews_its_lease_while_forward_runs(
             guarded(policy, store, view(), app.forward, clock, holdings=holdings)
         )
         await app.entered.wait()
-        key = stored_key("k1", NO_SCOPE)
+        key = stored_key("k1", NO_SCOPE, "orders")
         first = await store.get(key)
         assert first is not None
         clock.advance(10.0)  # far past the first lease: only a renewal keeps the key

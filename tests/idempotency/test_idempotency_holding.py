@@ -25,7 +25,7 @@ from tests.redisserver import running
 from tests.wait import until, until_async
 
 run = g.run  # the fixture: each test under asyncio and uvloop
-SKEY = stored_key("k1", NO_SCOPE)
+SKEY = stored_key("k1", NO_SCOPE, "orders")
 
 
 def test_retry_delay_doubles_and_stays_within_a_third_of_the_lease() -> None:

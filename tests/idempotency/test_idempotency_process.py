@@ -596,3 +596,97 @@ async def test_max_bytes_bounds_the_kept_answers(
         assert sent < 20, "never refused"
     assert status == 503 and sent >= 1
     assert (await counts(admin))["store-full"] == 1
+
+
+# Heads an app may send that the sidecar refuses to relay (502 bad-response): the app ran the
+# write all the same.
+BAD_HEADS = {
+    "manyhdr": b"HTTP/1.1 201 Created\r\n"
+    + b"".join(b"X-H%d: v\r\n" % i for i in range(210))
+    + b"Content-Length: 2\r\n\r\nok",
+    "tegzip": b"HTTP/1.1 201 Created\r\nTransfer-Encoding: gzip, chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+    "s600": b"HTTP/1.1 600 Weird\r\nContent-Length: 2\r\n\r\nok",
+}
+
+
+async def test_an_answer_the_sidecar_cannot_relay_finishes_the_key(tmp_path, proc_stack):
+    """The app runs the write and answers with a head the sidecar refuses (too many fields, a
+    transfer coding it cannot relay, status 600): the client gets 502 bad-response, and the key
+    is finished with it (the app began the write), so the client's retries with the key get
+    that 502 replayed and never run the write again."""
+    runs: dict[str, int] = {}
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                await reader.readexactly(length)
+                kind = head.split(b" ")[1].rsplit(b"/", 1)[-1].decode()
+                runs[kind] = runs.get(kind, 0) + 1
+                writer.write(BAD_HEADS[kind])
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        upstream = WriteApp(port=server.sockets[0].getsockname()[1])
+        port, admin = await start(proc_stack, tmp_path, config(upstream, tmp_path))
+        for kind in BAD_HEADS:
+            status, headers, body = await post(port, key=f"bad-{kind}", path=f"/p/{kind}")
+            assert status == 502 and headers["x-retry-proxy-error"] == "bad-response", kind
+            for _ in range(2):
+                again, replayed, body2 = await post(port, key=f"bad-{kind}", path=f"/p/{kind}")
+                assert again == 502 and replayed["Idempotent-Replayed"] == "true", kind
+                assert json.loads(body2) == json.loads(body)
+        assert runs == {kind: 1 for kind in BAD_HEADS}
+        seen = await counts(admin)
+        assert seen["first"] == len(BAD_HEADS) and seen["replayed"] == 2 * len(BAD_HEADS)
+        assert seen.get("released", 0) == 0
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_the_same_key_on_two_routes_is_two_keys(tmp_path, proc_stack):
+    """Two routes told apart by Host (two apps), both guarding writes, no ``scope_header``: the
+    same key, path and body on green after blue runs green's write (never blue's kept answer),
+    each is replayed on its own route, and the admin API finds the key on both by the key
+    alone, naming route and scope."""
+    blue, green = WriteApp(), WriteApp()
+    async with serve(blue.handle) as blue.port, serve(green.handle) as green.port:
+        body = (
+            f'idempotency: {{path: "{tmp_path}/keys.sqlite3"}}\n'
+            "defaults:\n  idempotency: {enabled: true}\n"
+            "routes:\n"
+            "  - name: blue\n"
+            "    match: {path_prefix: /orders, headers: {host: blue.example}}\n"
+            f'    upstream: "http://127.0.0.1:{blue.port}"\n'
+            "  - name: green\n"
+            "    match: {path_prefix: /orders, headers: {host: green.example}}\n"
+            f'    upstream: "http://127.0.0.1:{green.port}"\n'
+        )
+        port, admin = await start(proc_stack, tmp_path, body)
+        url = f"http://127.0.0.1:{port}/orders"
+        for host, app in (("blue.example", blue), ("green.example", green)):
+            for n in range(2):
+                headers = {"Host": host, "Idempotency-Key": "order-1"}
+                status, got, _ = await call("POST", url, data=b'{"amount":1}', headers=headers)
+                assert status == 201 and ("Idempotent-Replayed" in got) == (n == 1), (host, n)
+            assert got["X-App"] == "yes" and len(app.writes) == 1, host
+        status, _, shown = await call("GET", f"http://127.0.0.1:{admin}/idempotency/order-1")
+        assert status == 200
+        held = json.loads(shown)["scopes"]
+        assert sorted((s["route"], s["scope"]) for s in held) == [("blue", "-"), ("green", "-")]
+        status, _, _ = await call("DELETE", f"http://127.0.0.1:{admin}/idempotency/order-1")
+        assert status == 409  # two hold it: the route must be named
+        forget = f"http://127.0.0.1:{admin}/idempotency/order-1?route=green"
+        status, _, gone = await call("DELETE", forget)
+        assert status == 200 and json.loads(gone)["route"] == "green"

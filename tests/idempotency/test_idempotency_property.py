@@ -29,7 +29,12 @@ from sidecar.testing import FakeClock
 N = 50
 POLICY = IdempotencyPolicy(enabled=True, max_response_bytes=16, lease=30.0)
 REQUEST = RequestView(
-    "POST", b"/pay", ((b"Idempotency-Key", b"pay-1"),), b'{"amount": 5}', route_timeout=25.0
+    "POST",
+    b"/pay",
+    ((b"Idempotency-Key", b"pay-1"),),
+    b'{"amount": 5}',
+    route_timeout=25.0,
+    route="orders",
 )
 KINDS = ("ok", "retry", "large", "raise", "cancel", "kill")
 
@@ -42,8 +47,10 @@ class Dying(SqliteIdempotencyStore):
         self.last_token: str | None = None
         self.dead: set[str] = set()
 
-    async def claim(self, key: str, fingerprint: str, lease: float) -> ClaimResult:
-        got = await super().claim(key, fingerprint, lease)
+    async def claim(
+        self, key: str, fingerprint: str, lease: float, legacy: str | None = None
+    ) -> ClaimResult:
+        got = await super().claim(key, fingerprint, lease, legacy)
         if isinstance(got, Claimed):
             self.last_token = got.token
         return got

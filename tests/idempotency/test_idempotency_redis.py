@@ -87,9 +87,9 @@ class PausingStore(RedisIdempotencyStore):
         super().__init__(FleetLink(settings, clock), clock)
         self.pausing = clock
 
-    async def _claim_round(self, client: Redis, name: str, args: list[str]) -> list[Any]:
+    async def _claim_round(self, client: Redis, names: list[str], args: list[str]) -> list[Any]:
         self.pausing.sending()
-        return await super()._claim_round(client, name, args)
+        return await super()._claim_round(client, names, args)
 
 
 @pytest.mark.parametrize("how", ["timeout", "cancel"])

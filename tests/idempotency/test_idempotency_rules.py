@@ -101,7 +101,7 @@ def test_scope_digest_separates_clients_and_hides_the_value() -> None:
     empty = scope_digest([(b"Authorization", b"")], "Authorization")
     assert len({a, b, absent, empty}) == 4
     assert "Bearer" not in a
-    assert stored_key("k", a) != stored_key("k", b)
+    assert stored_key("k", a, "orders") != stored_key("k", b, "orders")
 
 
 @pytest.mark.parametrize("name", ["Authorization", "Proxy-Authorization"])

@@ -21,7 +21,7 @@ import uvloop
 from sidecar.config.fleet import FleetRedis
 from sidecar.fleet.connection import FleetLink
 from sidecar.idempotency import schema
-from sidecar.idempotency.fingerprint import NO_SCOPE, scope_digest, stored_key
+from sidecar.idempotency.fingerprint import NO_SCOPE, legacy_key, scope_digest, stored_key
 from sidecar.idempotency.keep import KeptAnswer
 from sidecar.idempotency.prune import prune_pass
 from sidecar.idempotency.redisstore import RedisIdempotencyStore
@@ -153,18 +153,22 @@ def test_holders_finds_a_key_in_every_scope_by_the_key_alone(with_store: WithSto
     odd = "a*[b]?\\%_c"
 
     async def main(store: IdempotencyStore) -> None:
-        for name in (stored_key("k", alice), stored_key("k", NO_SCOPE), stored_key(odd, bob)):
+        for name in (
+            stored_key("k", alice, "orders"),
+            stored_key("k", NO_SCOPE, "orders"),
+            stored_key(odd, bob, "orders"),
+        ):
             claim = await store.claim(name, "fp", 30.0)
             assert isinstance(claim, Claimed)
-            if name != stored_key(odd, bob):  # one left in progress
+            if name != stored_key(odd, bob, "orders"):  # one left in progress
                 assert await store.complete(name, claim.token, ANSWER, 3600.0)
-        await store.claim(stored_key("kk", alice), "fp", 30.0)
-        await store.claim(stored_key("a1[b]x%_c", alice), "fp", 30.0)
-        assert await store.holders("k") == sorted([stored_key("k", alice), "- k"])
-        assert await store.holders(odd) == [stored_key(odd, bob)]
+        await store.claim(stored_key("kk", alice, "orders"), "fp", 30.0)
+        await store.claim(stored_key("a1[b]x%_c", alice, "orders"), "fp", 30.0)
+        assert await store.holders("k") == sorted([stored_key("k", alice, "orders"), "orders/- k"])
+        assert await store.holders(odd) == [stored_key(odd, bob, "orders")]
         assert await store.holders("nope") == []
-        assert await store.forget(stored_key("k", alice))
-        assert await store.holders("k") == ["- k"]
+        assert await store.forget(stored_key("k", alice, "orders"))
+        assert await store.holders("k") == ["orders/- k"]
 
     with_store(main)
 
@@ -181,7 +185,7 @@ def test_a_store_written_before_the_key_index_is_read_and_found(
         "fingerprint TEXT NOT NULL, token TEXT, created_at REAL NOT NULL, "
         "expires_at REAL NOT NULL, status INTEGER, headers TEXT, body BLOB, size INTEGER)"
     )
-    name = stored_key("old", "ab" * 32)
+    name = legacy_key("old", "ab" * 32)
     conn.execute(
         "INSERT INTO idempotency_keys VALUES (?, 1, 'fp', NULL, ?, ?, 201, '[]', x'7b7d', NULL)",
         (name, clock.wall(), clock.wall() + 3600),
@@ -566,3 +570,66 @@ def test_the_tally_stays_exact_after_keep_release_prune_and_forget(
     again = opened(db, clock)
     again.close()
     exact("reopened")
+
+
+def test_keys_live_per_route_and_a_legacy_name_is_honoured(with_store: WithStore) -> None:
+    """The same key on two routes is two keys; a key the previous version stored under its
+    legacy name (``<scope> <key>``, no route: written here as that version wrote it) is judged
+    as the key's own while the new name is absent, never written: finished with the same
+    request, replayed; another request, 422; in progress, 409; gone, the new name is claimed."""
+    blue, green = stored_key("k", NO_SCOPE, "blue"), stored_key("k", NO_SCOPE, "green")
+    old = legacy_key("k", NO_SCOPE)
+
+    async def main(store: IdempotencyStore) -> None:
+        first = await store.claim(blue, "fp", 30.0)  # no legacy name yet
+        assert isinstance(first, Claimed)
+        assert await store.complete(blue, first.token, ANSWER, 3600.0)
+        assert isinstance(await store.claim(green, "fp", 30.0), Claimed)  # another route's
+        # The previous version's keys, in its naming: one finished, one in progress.
+        done = await store.claim(old, "fp", 30.0)
+        assert isinstance(done, Claimed)
+        assert await store.complete(old, done.token, ANSWER, 3600.0)
+        held = legacy_key("h", NO_SCOPE)
+        assert isinstance(await store.claim(held, "fp", 30.0), Claimed)
+        fresh = stored_key("k", NO_SCOPE, "red")
+        replayed = await store.claim(fresh, "fp", 30.0, old)
+        assert isinstance(replayed, Finished) and replayed.record.answer == ANSWER
+        assert await store.claim(fresh, "other", 30.0, old) == Mismatch()
+        assert await store.get(fresh) is None  # read only: the new name was not written
+        busy = await store.claim(stored_key("h", NO_SCOPE, "red"), "fp", 30.0, held)
+        assert isinstance(busy, Busy)
+        assert await store.claim(stored_key("h", NO_SCOPE, "red"), "x", 30.0, held) == Mismatch()
+        # The new name, once present, is judged alone (blue's own key, finished).
+        again = await store.claim(blue, "fp", 30.0, old)
+        assert isinstance(again, Finished)
+        assert await store.claim(blue, "other", 30.0, old) == Mismatch()
+        assert await store.forget(old)  # the legacy key gone (expired): the new name claimed
+        assert isinstance(await store.claim(fresh, "other", 30.0, old), Claimed)
+        assert await store.holders("k") == sorted([blue, green, fresh])
+
+    with_store(main)
+
+
+def test_a_legacy_key_past_its_ttl_or_lease_is_as_absent(
+    run: Run, db: Path, clock: FakeClock
+) -> None:
+    """SQLite, whose clock the test moves: a legacy key past its ttl, or an abandoned legacy
+    claim past its lease, no longer answers for the key: the new name is claimed."""
+    store = opened(db, clock)
+    try:
+
+        async def main() -> None:
+            done = await store.claim(legacy_key("f", NO_SCOPE), "fp", 30.0)
+            assert isinstance(done, Claimed)
+            assert await store.complete(legacy_key("f", NO_SCOPE), done.token, ANSWER, 60.0)
+            assert isinstance(await store.claim(legacy_key("h", NO_SCOPE), "fp", 30.0), Claimed)
+            clock.advance(61.0)
+            for k in ("f", "h"):
+                got = await store.claim(
+                    stored_key(k, NO_SCOPE, "r"), "fp", 30.0, legacy_key(k, NO_SCOPE)
+                )
+                assert isinstance(got, Claimed), k
+
+        run(main)
+    finally:
+        store.close()
