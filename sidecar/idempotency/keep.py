@@ -2,7 +2,10 @@
 duplicate gets. Pure.
 
 - An answer the route would retry (a status in ``retry_on``, a connect failure, a reset, a
-  timeout, an answer the sidecar made itself) releases the key, so the client's retry runs.
+  timeout, an answer the sidecar made itself before the app answered) or one that says the
+  app did not begin (408, 425, 429, an error with ``Retry-After``) releases the key, so the
+  client's retry runs. An answer the sidecar made because the app's own could not be relayed
+  (``bad-response``: the app acted) is kept like the app's.
 - Any other answer is kept for ``ttl``: status, end-to-end headers and body.
 - An answer larger than ``max_response_bytes`` (or streamed without being held) is relayed,
   not kept, but the key is still finished: the write took effect and must not run again. A
