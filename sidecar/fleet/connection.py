@@ -24,10 +24,13 @@ endpoints that push them): they are turned off here. Its other means were reject
 with retries re-sends pipelines and commands that may have run (a claim, a switch write must
 not run twice). What remains: a connection cut while a command is on it (Redis restarted
 mid-command), or one whose peer vanished without closing it (no end-of-file to see), fails that
-call, as it should: Redis may or may not have run the command. A link whose calls come in bursts
-(the idempotency store's: two per guarded write) opens its connections at start
-(``open_connections``), so a burst never waits for connects on the loop (a connect mid-burst
-held calls 150-316 ms).
+call, as it should: Redis may or may not have run the command. A write refused with ``OOM`` (a
+Redis at its ``maxmemory``, ``noeviction``) is Redis answering, no failure: a ``FleetFull`` for
+that call, no pause, the link stays connected (its reads and deletes go on).
+
+A link whose calls come in bursts (the idempotency store's: two per guarded write) opens its
+connections at start (``open_connections``), so a burst never waits for connects on the loop (a
+connect mid-burst held calls 150-316 ms).
 
 At most ``CALLS_MAX`` calls of one link are in flight at once; a call beyond them waits for one
 to end, within its own ``timeout``. Each call holds one connection at a time (one command, one
@@ -68,6 +71,12 @@ log = logging.getLogger("sidecar.fleet")
 class FleetUnavailable(Exception):
     """The fleet's Redis could not answer (unreachable, failing, slower than its timeout, or
     in the pause after such a failure)."""
+
+
+class FleetFull(FleetUnavailable):
+    """Redis refused a write with ``OOM`` (at its ``maxmemory``, ``noeviction``). Redis
+    answered: no failure of the link (no pause, the link stays connected, its other calls go
+    on, reads and deletes among them); the caller's write did not happen."""
 
 
 class BadReply(Exception):
@@ -123,6 +132,13 @@ def driver_info() -> Any | None:
     except ImportError:
         return None
     return DriverInfo()
+
+
+def out_of_memory() -> type[BaseException]:
+    """What a call to the client raises when Redis refuses a write at its ``maxmemory``."""
+    from redis.exceptions import OutOfMemoryError
+
+    return OutOfMemoryError
 
 
 def failures() -> tuple[type[BaseException], ...]:
@@ -207,6 +223,7 @@ class FleetLink:
         self.closed = False
         self._clock = clock
         self._failures = failures()
+        self._full = out_of_memory()
         self._slots = asyncio.Semaphore(CALLS_MAX)
 
     @property
@@ -221,7 +238,8 @@ class FleetLink:
     async def call(self, fn: Callable[[Redis], Awaitable[T]]) -> T:
         """``fn(client)`` within ``timeout`` (the wait for a free slot included);
         ``FleetUnavailable`` when Redis cannot answer, is in its pause, or no slot came free in
-        time. A cancelled call, or one that found no slot, is no failure of Redis's."""
+        time; ``FleetFull`` (one) when Redis refused a write with ``OOM``. A cancelled call,
+        one that found no slot, or one refused with ``OOM`` is no failure of Redis's."""
         now = self._clock.monotonic()
         if not self.backoff.ready(now):
             wait = self.backoff.next_try - now
@@ -245,16 +263,22 @@ class FleetLink:
         try:
             async with asyncio.timeout_at(deadline):
                 result = await cancellable(fn(self.client))
+        except self._full as exc:  # Redis answered: its memory is full, the link is fine
+            self._answered()
+            raise FleetFull(f"the fleet Redis is at its maxmemory: {exc}") from None
         except self._failures as exc:
             raise self._failed(exc) from None
         finally:
             slots.release()
+        self._answered()
+        return result
+
+    def _answered(self) -> None:
         self.backoff.succeeded()
         if self.errors.last is not None:
             told = self.errors.succeeded()
             if told is not None:
                 log.info(told)
-        return result
 
     def _failed(self, exc: BaseException) -> FleetUnavailable:
         now = self._clock.monotonic()

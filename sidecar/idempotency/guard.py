@@ -46,6 +46,7 @@ from sidecar.idempotency.store import (
     Claimed,
     Finished,
     IdempotencyStore,
+    Kept,
     Mismatch,
     StoreError,
     StoreFull,
@@ -198,24 +199,25 @@ async def _settle_by(settling: _Settling, forwarded: Forwarded) -> GuardResult:
     as soon as the store takes it, and stays held, its lease renewed, until then."""
     policy, store, skey, claim = settling.policy, settling.store, settling.skey, settling.claim
     disposition = dispose(forwarded, policy.max_response_bytes)
-    settle: Callable[[], Awaitable[bool]]
+    settle: Callable[[], Awaitable[int]]
     if disposition is Disposition.RELEASE:
 
-        def settle() -> Awaitable[bool]:
+        def settle() -> Awaitable[int]:
             return store.release(skey, claim.token)
 
         outcome = O.RELEASED
     else:
         answer = kept(forwarded, disposition)
 
-        def settle() -> Awaitable[bool]:
+        def settle() -> Awaitable[int]:
             return store.complete(skey, claim.token, answer, policy.ttl)
 
         outcome = O.FIRST
+    full = False
     try:
-        settled: bool | None = await settle()
-    except StoreError:
-        settled = None
+        settled: int | None = await settle()
+    except StoreError as exc:
+        settled, full = None, isinstance(exc, StoreFull)
     except asyncio.CancelledError:
         # Cancelled mid-call (a stop, the bound of a write whose client left): the call may
         # or may not land; the retrier carries it on (the key held meanwhile) either way.
@@ -223,9 +225,12 @@ async def _settle_by(settling: _Settling, forwarded: Forwarded) -> GuardResult:
         settling.handed_over = True
         raise
     if settled is None:
-        outcome = O.STORE_ERROR
+        # A Redis at its maxmemory refusing the keep (even without the body) is store-full.
+        outcome = O.STORE_FULL if full else O.STORE_ERROR
         settling.holdings.settle_later(store, skey, claim.token, settle, policy.ttl)
         settling.handed_over = True
     elif claim.took_over:
         outcome = O.LEASE_EXPIRED  # counted whatever came of it: the at-least-once window
+    elif settled == Kept.WITHOUT_BODY:
+        outcome = O.STORE_FULL  # finished, its body not kept: the store is at its bound
     return GuardResult(forwarded, outcome)

@@ -36,7 +36,7 @@ RETRIER_TASK = "idempotency-settle"
 RENEW_FLOOR = 0.05
 RENEW_TASK = "idempotency-renew"
 
-Settle = Callable[[], Awaitable[bool]]
+Settle = Callable[[], Awaitable[int]]  # true: landed (``Kept`` or a release's bool)
 
 
 def retry_delay(failures: int, lease: float) -> float:

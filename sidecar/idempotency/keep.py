@@ -53,6 +53,14 @@ def kept(forwarded: Forwarded, disposition: Disposition) -> KeptAnswer:
     return KeptAnswer(forwarded.status, (), None, size)
 
 
+def without_body(answer: KeptAnswer) -> KeptAnswer:
+    """``answer`` kept as one too large to keep is (status and size, no headers nor body): what a
+    store keeps when the whole answer would put it past its bound (``idempotency.max_bytes``,
+    a Redis at its ``maxmemory``). A duplicate gets the ``answer-not-kept`` replay."""
+    size = len(answer.body) if answer.body is not None else answer.size
+    return KeptAnswer(answer.status, (), None, size)
+
+
 def replay(key: str, answer: KeptAnswer) -> Answer:
     if answer.body is None:
         made = problem.answer_not_kept(key, answer.status)

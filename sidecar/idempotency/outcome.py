@@ -16,4 +16,6 @@ class IdempotencyOutcome(StrEnum):
     RELEASED = "released"  # an answer the route would retry: K let go
     LEASE_EXPIRED = "lease-expired"  # a dead holder's lease passed: this request took K over
     STORE_ERROR = "store-error"  # the store could not answer (on_store_error applied)
-    STORE_FULL = "store-full"  # a new key past idempotency.max_records/max_bytes (likewise)
+    # A new key past idempotency.max_records/max_bytes (likewise), or an answer kept without
+    # its body because the whole one would put the store past its bound (the key finished).
+    STORE_FULL = "store-full"

@@ -78,13 +78,15 @@ def store_unavailable(key: str) -> Answer:
 
 
 def answer_not_kept(key: str, status: int) -> Answer:
-    """The replay of an answer that was larger than ``max_response_bytes``: the write took
-    effect once, with the original status; its body was relayed then and not kept."""
+    """The replay of an answer that was larger than ``max_response_bytes`` (or would have put
+    the store past its bound): the write took effect once, with the original status; its body
+    was relayed then and not kept."""
     return problem(
         status,
         "answer-not-kept",
         "Answer not kept",
-        "The request with this key was already processed; its answer was too large to be kept, "
+        "The request with this key was already processed; its answer was not kept (too large, or "
+        "the store was full), "
         "so only its status is replayed.",
         key,
     )

@@ -45,10 +45,10 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sidecar.core import Clock
-from sidecar.fleet.connection import BadReply, FleetLink, FleetUnavailable
+from sidecar.fleet.connection import BadReply, FleetFull, FleetLink, FleetUnavailable
 from sidecar.idempotency import redisreply as shape
 from sidecar.idempotency.decision import Decision, KeyState, decide
-from sidecar.idempotency.keep import KeptAnswer
+from sidecar.idempotency.keep import KeptAnswer, without_body
 from sidecar.idempotency.store import (
     ABANDONED_KEEP,
     HOLDERS_MAX,
@@ -56,6 +56,7 @@ from sidecar.idempotency.store import (
     Claimed,
     ClaimResult,
     Finished,
+    Kept,
     KeyRecord,
     Mismatch,
     StoreError,
@@ -243,6 +244,8 @@ class RedisIdempotencyStore:
     async def _call(self, fn: Callable[[Redis], Awaitable[T]]) -> T:
         try:
             return await self._link.call(fn)
+        except FleetFull as exc:  # Redis at its maxmemory: it answered, the write refused
+            raise StoreFull(str(exc)) from None
         except FleetUnavailable as exc:
             raise StoreError(str(exc)) from None
 
@@ -316,13 +319,8 @@ class RedisIdempotencyStore:
     async def _claim_round(self, client: Redis, names: list[str], args: list[str]) -> list[Any]:
         """One run of the claim script: one round trip. A Redis at its ``maxmemory`` with
         ``noeviction`` refuses the script at its first write (``OOM``), before anything is
-        written: the store is full (``StoreFull``), not unreachable, so the link stays up."""
-        from redis.exceptions import OutOfMemoryError
-
-        try:
-            reply: list[Any] = await self._claim(keys=names, args=args, client=client)
-        except OutOfMemoryError as exc:
-            raise StoreFull(f"the fleet Redis is at its maxmemory (noeviction): {exc}") from None
+        written: the link makes it a ``FleetFull`` (the link stays up), here a ``StoreFull``."""
+        reply: list[Any] = await self._claim(keys=names, args=args, client=client)
         return reply
 
     @staticmethod
@@ -345,7 +343,19 @@ class RedisIdempotencyStore:
             if attempt == 0:
                 await asyncio.sleep(self._link.timeout)
 
-    async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> bool:
+    async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> Kept:
+        """A keep refused with ``OOM`` (Redis at its ``maxmemory``) is tried once more without
+        the body (``WITHOUT_BODY``: the key finished, a duplicate gets ``answer-not-kept``);
+        refused again, a ``StoreFull`` (the background retrier tries again, the key held)."""
+        try:
+            return Kept.WHOLE if await self._keep(key, token, answer, ttl) else Kept.NOT_OURS
+        except StoreFull:
+            if answer.body is None:
+                raise
+        done = await self._keep(key, token, without_body(answer), ttl)
+        return Kept.WITHOUT_BODY if done else Kept.NOT_OURS
+
+    async def _keep(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> bool:
         args: list[bytes | str] = [
             token,
             repr(float(ttl)),

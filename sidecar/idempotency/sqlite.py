@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 from sidecar.core import Clock
 from sidecar.idempotency import schema
 from sidecar.idempotency.decision import Decision, KeyState, decide
-from sidecar.idempotency.keep import KeptAnswer
+from sidecar.idempotency.keep import KeptAnswer, without_body
 from sidecar.idempotency.store import (
     ABANDONED_KEEP,
     HOLDERS_MAX,
@@ -55,6 +55,7 @@ from sidecar.idempotency.store import (
     Claimed,
     ClaimResult,
     Finished,
+    Kept,
     KeyRecord,
     Mismatch,
     StoreError,
@@ -89,7 +90,8 @@ def _row(conn: sqlite3.Connection, key: str) -> tuple[Any, ...] | None:
 
 @dataclass(frozen=True, slots=True)
 class Bounds:
-    """``idempotency.max_records`` / ``max_bytes``: past either, a new key is refused."""
+    """``idempotency.max_records`` / ``max_bytes``: past either, a new key is refused; an
+    answer that would put the file past ``max_bytes`` is kept without its body."""
 
     max_records: int
     max_bytes: int
@@ -151,8 +153,32 @@ def claim_tx(
 
 
 def complete_tx(
-    conn: sqlite3.Connection, key: str, token: str, answer: KeptAnswer, ttl: float, now: float
-) -> bool:
+    conn: sqlite3.Connection,
+    key: str,
+    token: str,
+    answer: KeptAnswer,
+    ttl: float,
+    now: float,
+    *,
+    bounds: Bounds | None = None,
+) -> Kept:
+    """Finish the key with ``answer`` if the claim is ours. An answer whose body would put the
+    file past ``bounds.max_bytes`` is kept without its body (``without_body``): the key is still
+    finished (the write ran: it must never run again), so the tally passes the bound by at most
+    one key's head (its key, fingerprint and ``OVERHEAD``), never by an answer."""
+    row = _row(conn, key)
+    if row is None or row[1] or row[3] != token:
+        return Kept.NOT_OURS
+    whole = True
+    if bounds is not None and answer.body is not None:
+        _records, size = tally(conn)
+        # What the update adds to the tally (``schema.TALLY``'s count of a row, as SQLite
+        # measures it): the kept headers and body (a row in progress holds neither).
+        (grows,) = conn.execute(
+            "SELECT length(?) + length(?)", (headers_text(answer.headers), answer.body)
+        ).fetchone()
+        if size + int(grows) > bounds.max_bytes:
+            answer, whole = without_body(answer), False
     cur = conn.execute(
         "UPDATE idempotency_keys SET finished = 1, token = NULL, created_at = ?, expires_at = ?, "
         "status = ?, headers = ?, body = ?, size = ? "
@@ -168,7 +194,9 @@ def complete_tx(
             token,
         ),
     )
-    return cur.rowcount == 1
+    if cur.rowcount != 1:
+        return Kept.NOT_OURS
+    return Kept.WHOLE if whole else Kept.WITHOUT_BODY
 
 
 def release_tx(conn: sqlite3.Connection, key: str, token: str) -> bool:
@@ -418,10 +446,12 @@ class SqliteIdempotencyStore:
             )
         )
 
-    async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> bool:
+    async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> Kept:
         await self._unheld()
-        now = self._clock.wall()
-        return self._write(lambda conn: complete_tx(conn, key, token, answer, ttl, now))
+        now, bounds = self._clock.wall(), self.bounds
+        return self._write(
+            lambda conn: complete_tx(conn, key, token, answer, ttl, now, bounds=bounds)
+        )
 
     async def release(self, key: str, token: str) -> bool:
         await self._unheld()

@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Protocol
 
 from sidecar.idempotency.answer import NOT_KEPT_HEADERS, Headers
@@ -109,7 +110,20 @@ def read_answer(status: object, headers: object, body: object, size: object) -> 
 class StoreFull(StoreError):
     """A new key refused: the store holds ``idempotency.max_records`` keys or
     ``max_bytes`` bytes already (the route's ``on_store_error`` applies, counted
-    ``store-full``)."""
+    ``store-full``); or a write refused by a Redis at its ``maxmemory`` (``noeviction``):
+    Redis answered, so the link stays up."""
+
+
+class Kept(IntEnum):
+    """What ``complete`` did: false when the key was not ours any more (taken over after our
+    lease, or forgotten), true when it is now finished."""
+
+    NOT_OURS = 0
+    WHOLE = 1  # the whole answer kept
+    # Finished with the answer's status only (``keep.without_body``): the whole answer would
+    # have put the store past its bound (``max_bytes``, a Redis at its ``maxmemory``). Counted
+    # ``store-full``; a duplicate gets the ``answer-not-kept`` replay.
+    WITHOUT_BODY = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,9 +171,10 @@ class IdempotencyStore(Protocol):
         lease is as absent."""
         ...
 
-    async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> bool:
-        """True when the key was ours and is now finished; False when it was not ours any
-        more (taken over after our lease, or forgotten)."""
+    async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> Kept:
+        """``Kept.WHOLE`` (or ``WITHOUT_BODY``, at the store's bound) when the key was ours and
+        is now finished; ``NOT_OURS`` (false) when it was not ours any more (taken over after
+        our lease, or forgotten)."""
         ...
 
     async def release(self, key: str, token: str) -> bool:
@@ -196,7 +211,7 @@ class StoreNotOpen:
     ) -> ClaimResult:
         raise StoreError("the idempotency store is not open")
 
-    async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> bool:
+    async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> Kept:
         raise StoreError("the idempotency store is not open")
 
     async def release(self, key: str, token: str) -> bool:

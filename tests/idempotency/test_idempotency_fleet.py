@@ -13,6 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 from redis.asyncio import Redis
 
 from tests.garbageredis import garbage_server
@@ -20,6 +21,8 @@ from tests.idempotency import test_idempotency_process as process
 from tests.idempotency.test_idempotency_process import TIMEOUT, WriteApp, counts, post, problem
 from tests.proc import SidecarProcess, start_process
 from tests.redisserver import RedisServer, running
+from tests.wait import until_async
+from tests.webserver import serve
 
 pytestmark = pytest.mark.slow
 app = process.app  # the fixtures: the counting app, the sidecars stopped after the test
@@ -366,3 +369,69 @@ async def test_a_redis_at_its_maxmemory_refuses_new_keys_by_on_store_error(
             assert headers.get("Idempotent-Replayed") == "true"
         finally:
             await r.aclose()
+
+
+async def test_at_its_maxmemory_a_refused_keep_or_renewal_does_not_pause_the_link(
+    tmp_path: Path, proc_stack: list[SidecarProcess]
+) -> None:
+    """Issue 29 F5: a keep and the lease renewals of a write that was claimed before Redis
+    filled up meet ``OOM``; they were counted as failures of the link, which paused (the link
+    "unreachable", replays of kept keys 503 store-unavailable). An ``OOM`` is Redis answering:
+    the link stays connected, a kept key is replayed throughout, the refused keep is counted
+    ``store-full`` and tried again in the background (a duplicate meanwhile 409), and lands
+    once there is room."""
+    gate, entered = asyncio.Event(), asyncio.Event()
+    big = b"x" * 200_000
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if request.path == "/big":
+            entered.set()
+            await gate.wait()
+            return web.Response(body=big, status=201, content_type="text/plain")
+        return web.Response(body=b"small", status=201, content_type="text/plain")
+
+    args = ("--maxmemory", "32mb", "--maxmemory-policy", "noeviction")
+    with running(tmp_path / "redis", *args) as server:
+        async with serve(handle) as app_port:
+            body = (
+                "idempotency: {backend: redis}\n"
+                f'fleet: {{redis: {{url: "{server.url}", timeout: 500ms}}}}\n'
+                "routes:\n  - name: orders\n"
+                f'    upstream: "http://127.0.0.1:{app_port}"\n'
+                "    idempotency: {enabled: true, lease: 300ms}\n"
+            )
+            port, admin = await start_in(proc_stack, tmp_path / "a", body)
+            assert (await post(port, key="held"))[0] == 201
+            write = asyncio.create_task(post(port, key="big", path="/big"))
+            await asyncio.wait_for(entered.wait(), 10)
+            assert fill(server) > 0
+            await asyncio.sleep(0.5)  # renewals (every 100 ms) meet OOM meanwhile
+            gate.set()
+            status, _, got = await write
+            assert (status, got) == (201, big)  # the client's answer, whatever the keep met
+            url = f"http://127.0.0.1:{admin}/status"
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.get(url) as resp:
+                fleet = (await resp.json())["process"]["fleet"]
+            assert fleet["idempotency"]["state"] == "connected", fleet
+            for _ in range(5):  # a kept key: replayed, never 503
+                status, headers, got = await post(port, key="held")
+                assert (status, headers.get("Idempotent-Replayed"), got) == (201, "true", b"small")
+            assert (await post(port, key="big", path="/big"))[0] == 409  # kept in the background
+            seen = await counts(admin)
+            assert (seen["store-full"], seen.get("store-error", 0)) == (1, 0), seen
+            r = Redis(port=server.port)
+            try:
+                names = [name async for name in r.scan_iter("fill:*", count=10_000)]
+                for at in range(0, len(names), 1000):
+                    await r.delete(*names[at : at + 1000])
+            finally:
+                await r.aclose()
+
+            async def replayed() -> bool:
+                status, headers, _ = await post(port, key="big", path="/big")
+                return status == 201 and headers.get("Idempotent-Replayed") == "true"
+
+            await until_async(replayed, "the keep to land once there is room")
+            log = proc_stack[-1].stderr()
+            assert "Traceback" not in log, log[-3000:]

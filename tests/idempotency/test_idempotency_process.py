@@ -11,6 +11,7 @@ import asyncio
 import json
 import random
 import signal
+import sqlite3
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -690,3 +691,61 @@ async def test_the_same_key_on_two_routes_is_two_keys(tmp_path, proc_stack):
         forget = f"http://127.0.0.1:{admin}/idempotency/order-1?route=green"
         status, _, gone = await call("DELETE", forget)
         assert status == 200 and json.loads(gone)["route"] == "green"
+
+
+async def test_concurrent_big_answers_keep_the_file_within_max_bytes(
+    tmp_path: Path, proc_stack: list[SidecarProcess]
+) -> None:
+    """Issue 29 F1: ``max_bytes`` was checked at claim time only, so concurrent writes all
+    claimed in a nearly empty file, then all kept their answers (40 answers of 900 KB under
+    1 MiB: 36 MB). Now an answer that would pass the bound is kept without its body: each
+    client gets its whole answer, the file stays within the bound (plus one key's head), every
+    key is finished (the write never runs again: a duplicate gets the kept answer, or the
+    original status with ``answer-not-kept``), counted ``store-full``."""
+    gate, entered, runs = asyncio.Event(), [0], [0]
+    big = b"x" * 20_000
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        entered[0] += 1
+        await gate.wait()
+        runs[0] += 1
+        return web.Response(body=big, status=201, content_type="text/plain")
+
+    bound = 64 * 1024
+    async with serve(handle) as app_port:
+        body = (
+            f'idempotency: {{path: "{tmp_path}/keys.sqlite3", max_bytes: {bound}}}\n'
+            "routes:\n  - name: orders\n"
+            f'    upstream: "http://127.0.0.1:{app_port}"\n'
+            "    idempotency: {enabled: true}\n"
+        )
+        port, admin = await start(proc_stack, tmp_path, body)
+        writes = [asyncio.create_task(post(port, key=f"w{i}")) for i in range(10)]
+        await until(lambda: entered[0] == 10, "all ten claimed before any answer")
+        gate.set()
+        for status, _, got in await asyncio.gather(*writes):
+            assert (status, got) == (201, big)
+        conn = sqlite3.connect(tmp_path / "keys.sqlite3")
+        try:
+            records, size = conn.execute("SELECT records, bytes FROM idempotency_tally").fetchone()
+            whole = conn.execute(
+                "SELECT COUNT(*) FROM idempotency_keys WHERE finished = 1 AND body IS NOT NULL"
+            ).fetchone()[0]
+            finished = conn.execute(
+                "SELECT COUNT(*) FROM idempotency_keys WHERE finished = 1"
+            ).fetchone()[0]
+        finally:
+            conn.close()
+        assert size <= bound, (size, whole)
+        assert (records, finished) == (10, 10) and 1 <= whole < 10
+        not_kept = 0
+        for i in range(10):
+            status, headers, got = await post(port, key=f"w{i}")
+            assert (status, headers["Idempotent-Replayed"]) == (201, "true")
+            if got != big:
+                problem(got, "answer-not-kept")
+                not_kept += 1
+        assert (not_kept, runs[0]) == (10 - whole, 10)
+        seen = await counts(admin)
+        assert (seen["store-full"], seen["first"], seen["replayed"]) == (10 - whole, whole, 10)

@@ -23,7 +23,7 @@ from sidecar.idempotency.keep import KeptAnswer
 from sidecar.idempotency.outcome import IdempotencyOutcome as O
 from sidecar.idempotency.policy import IdempotencyPolicy
 from sidecar.idempotency.sqlite import SqliteIdempotencyStore
-from sidecar.idempotency.store import Claimed, ClaimResult
+from sidecar.idempotency.store import Claimed, ClaimResult, Kept
 from sidecar.testing import FakeClock
 
 N = 50
@@ -55,8 +55,10 @@ class Dying(SqliteIdempotencyStore):
             self.last_token = got.token
         return got
 
-    async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> bool:
-        return False if token in self.dead else await super().complete(key, token, answer, ttl)
+    async def complete(self, key: str, token: str, answer: KeptAnswer, ttl: float) -> Kept:
+        if token in self.dead:
+            return Kept.NOT_OURS
+        return await super().complete(key, token, answer, ttl)
 
     async def release(self, key: str, token: str) -> bool:
         return False if token in self.dead else await super().release(key, token)

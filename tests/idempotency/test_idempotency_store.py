@@ -25,12 +25,13 @@ from sidecar.idempotency.fingerprint import NO_SCOPE, legacy_key, scope_digest, 
 from sidecar.idempotency.keep import KeptAnswer
 from sidecar.idempotency.prune import prune_pass
 from sidecar.idempotency.redisstore import RedisIdempotencyStore
-from sidecar.idempotency.sqlite import SqliteIdempotencyStore
+from sidecar.idempotency.sqlite import Bounds, SqliteIdempotencyStore
 from sidecar.idempotency.store import (
     Busy,
     Claimed,
     Finished,
     IdempotencyStore,
+    Kept,
     Mismatch,
     StoreError,
 )
@@ -383,7 +384,7 @@ def test_a_call_answers_on_the_loop_thread_without_yielding(
     claim = at_once(store.claim("k", "fp", 30.0))
     assert isinstance(claim, Claimed)
     assert isinstance(at_once(store.claim("k", "fp", 30.0)), Busy)
-    assert at_once(store.complete("k", claim.token, ANSWER, 60.0)) is True
+    assert at_once(store.complete("k", claim.token, ANSWER, 60.0)) is Kept.WHOLE
     record = at_once(store.get("k"))
     assert record is not None and record.answer == ANSWER
     assert at_once(store.prune(10)) == 0
@@ -630,6 +631,46 @@ def test_a_legacy_key_past_its_ttl_or_lease_is_as_absent(
                 )
                 assert isinstance(got, Claimed), k
 
+        run(main)
+    finally:
+        store.close()
+
+
+def test_max_bytes_bounds_the_kept_answers_not_only_the_claims(
+    run: Run, db: Path, clock: FakeClock
+) -> None:
+    """Issue 29 F1: ``max_bytes`` was read at claim time only, before the answer's size was
+    known: ten keys claimed in an empty file, then ten 20 KB answers kept, and the file held
+    200 KB under a 64 KiB bound. An answer that would put the file past the bound is kept
+    without its body (``Kept.WITHOUT_BODY``: the key finished, status and size only), so the
+    tally passes the bound by at most one key's head; the tally stays exact."""
+    bound = 64 * 1024
+    store = opened(db, clock, bounds=Bounds(max_records=1000, max_bytes=bound))
+    body = b"x" * 20_000
+
+    async def main() -> None:
+        tokens = []
+        for i in range(10):
+            claim = await store.claim(f"k{i}", "f" * 64, 30.0)
+            assert isinstance(claim, Claimed)
+            tokens.append(claim.token)
+        answer = KeptAnswer(201, ((b"Content-Type", b"text/plain"),), body)
+        kept = [await store.complete(f"k{i}", tokens[i], answer, 60.0) for i in range(10)]
+        assert kept[:3] == [Kept.WHOLE] * 3 and kept[3:] == [Kept.WITHOUT_BODY] * 7, kept
+        (records, size), rows = real_tally(db)
+        assert (records, size) == rows and records == 10
+        assert size <= bound, size
+        for i in range(10):
+            record = await store.get(f"k{i}")
+            assert record is not None and record.finished and record.answer is not None
+            if i < 3:
+                assert record.answer == answer
+            else:  # what a duplicate is replayed: the status, "answer not kept"
+                assert record.answer == KeptAnswer(201, (), None, len(body))
+        # Not ours any more: NOT_OURS (false), the key untouched.
+        assert await store.complete("k0", tokens[0], answer, 60.0) is Kept.NOT_OURS
+
+    try:
         run(main)
     finally:
         store.close()
