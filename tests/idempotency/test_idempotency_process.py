@@ -8,6 +8,7 @@ reload on and off, the client gone mid-forward, and the raw-wire variants."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import signal
@@ -583,7 +584,8 @@ async def test_at_its_bound_the_store_refuses_new_keys_by_on_store_error(
 async def test_max_bytes_bounds_the_kept_answers(
     app: WriteApp, tmp_path: Path, proc_stack: list[SidecarProcess]
 ) -> None:
-    """Past ``max_bytes`` of kept answers, no new key (the answer that crossed it was kept)."""
+    """Near ``max_bytes`` an answer is kept without its body (counted ``store-full``, the key
+    finished all the same); past it, no new key (refused, counted ``store-full`` too)."""
     body = (
         f'idempotency: {{path: "{tmp_path}/keys.sqlite3", max_bytes: 300}}\n'
         "routes:\n  - name: orders\n"
@@ -596,7 +598,12 @@ async def test_max_bytes_bounds_the_kept_answers(
         sent += 1
         assert sent < 20, "never refused"
     assert status == 503 and sent >= 1
-    assert (await counts(admin))["store-full"] == 1
+    # Every answer kept without its body and the refusal: one count each.
+    with contextlib.closing(sqlite3.connect(tmp_path / "keys.sqlite3")) as conn:
+        (bodiless,) = conn.execute(
+            "SELECT COUNT(*) FROM idempotency_keys WHERE finished = 1 AND body IS NULL"
+        ).fetchone()
+    assert (await counts(admin))["store-full"] == bodiless + 1
 
 
 # Heads an app may send that the sidecar refuses to relay (502 bad-response): the app ran the
