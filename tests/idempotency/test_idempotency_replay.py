@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
+from sidecar.idempotency.fingerprint import NO_SCOPE, stored_key
 from tests.idempotency.test_idempotency_fleet import fleet_config
 from tests.idempotency.test_idempotency_process import WriteApp, config, start
 from tests.idempotency.test_idempotency_process import app as app
@@ -110,7 +111,7 @@ async def test_a_tampered_kept_answer_in_sqlite_is_a_store_error_never_written(
             stored = value.decode("latin-1") if column == "headers" else value.decode()
             db.execute(
                 f"UPDATE idempotency_keys SET {column} = ? WHERE key = ?",
-                (stored, "- " + key.decode()),
+                (stored, stored_key(key.decode(), NO_SCOPE, "orders")),
             )
             refused(await raw_request(port, write(key)))
     finally:
@@ -134,12 +135,12 @@ async def _tampered_in_redis(
         for n, (name, value) in enumerate(TAMPERED):
             key = b"t%d" % n
             assert (await raw_request(port, write(key))).startswith(b"HTTP/1.1 201")
-            assert await client.hset(b"retry-sidecar:idem:- " + key, name, value) == 0
+            assert await client.hset(b"retry-sidecar:idem:orders/- " + key, name, value) == 0
             refused(await raw_request(port, write(key)))
         # A body field that is not what was kept, a size that is no count: the same.
         assert (await raw_request(port, write(b"s"))).startswith(b"HTTP/1.1 201")
-        await client.hset(b"retry-sidecar:idem:- s", "size", "-5")
-        await client.hset(b"retry-sidecar:idem:- s", "kept", "0")
+        await client.hset(b"retry-sidecar:idem:orders/- s", "size", "-5")
+        await client.hset(b"retry-sidecar:idem:orders/- s", "kept", "0")
         refused(await raw_request(port, write(b"s")))
     finally:
         await client.aclose()
