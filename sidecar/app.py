@@ -338,6 +338,8 @@ class Sidecar:
         if self.kill.fleet is not None:  # fleet.killswitch: the fleet's switches followed
             self.spawn(FLEET_SWITCHES, self.kill.fleet.run())
         self.spawn("heap-trim", self.heap.run())  # RSS back down after large bodies
+        if config.fleet.redis.url is not None:  # a link shown unreachable is asked again
+            self.spawn("fleet-probe", self.fleet_links.probe_forever())
         if self.reloader is not None:
             self.spawn("config-watch", self.reloader.watch(self.watch_interval))
         self.spawn(

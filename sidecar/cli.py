@@ -178,7 +178,25 @@ def cmd_idempotency(args: argparse.Namespace) -> int:
     """idempotency show|forget KEY against a running sidecar's admin API."""
     from sidecar.admin.verbs import cmd_idempotency as idempotency
 
-    return idempotency(_admin_target(args), args.idem_verb, args.key, args.scope, route=args.route)
+    scope = args.scope
+    if args.scope_value is not None:
+        scope = _scope_of_value(args.scope_value, args.scope_header)
+    return idempotency(_admin_target(args), args.idem_verb, args.key, scope, route=args.route)
+
+
+def _scope_of_value(value: str, header: str) -> str:
+    """The scope digest a route with ``scope_header: <header>`` stores a key under when the
+    client sends ``<header>: <value>`` (``-``: one line read from stdin, kept out of the shell's
+    history), computed here as the route does (``fingerprint.scope_digest``); its label is
+    told on stderr. Only the digest goes to the admin API, never the value."""
+    from sidecar.idempotency.fingerprint import scope_digest
+
+    if value == "-":
+        value = sys.stdin.readline().rstrip("\r\n")
+    raw = value.encode("utf-8", "surrogateescape")
+    digest = scope_digest([(header.encode("latin-1"), raw)], header)
+    print(f"scope label of that {header} value: {digest[:12]}", file=sys.stderr)
+    return digest
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -344,9 +362,23 @@ def build_parser() -> argparse.ArgumentParser:
     for verb, what in (("show", "what is kept under a key"), ("forget", "forget a key")):
         iv = isub.add_parser(verb, parents=[common, admin_common], help=what)
         iv.add_argument("key")
-        iv.add_argument(
+        which = iv.add_mutually_exclusive_group()
+        which.add_argument(
             "--scope",
             help="one scope of the key (routes with scope_header): the label show lists, or -",
+        )
+        which.add_argument(
+            "--scope-value",
+            metavar="VALUE",
+            help="the scope of a client that sends this value in the scope header (e.g. "
+            "'Bearer tok'; - reads it from stdin): its digest is computed here, only the "
+            "digest is sent",
+        )
+        iv.add_argument(
+            "--scope-header",
+            default="Authorization",
+            metavar="NAME",
+            help="the route's scope_header, for --scope-value (default: Authorization)",
         )
         iv.add_argument(
             "--route",

@@ -17,18 +17,22 @@ from sidecar.config.model import Config
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
+DEFAULT_TOKEN_ENV = "RETRY_SIDECAR_ADMIN_TOKEN"
+
+
 @dataclass(frozen=True)
 class AdminTarget:
     base: str  # http://host:port
     token: str | None
+    token_env: str = DEFAULT_TOKEN_ENV  # the variable the token is read from, for a 401's hint
 
 
 def target_from(config: Config | None, admin_url: str | None) -> AdminTarget:
     # The token variable named by the config, else the default name.
-    token_env = config.admin.token_env if config is not None else "RETRY_SIDECAR_ADMIN_TOKEN"
+    token_env = config.admin.token_env if config is not None else DEFAULT_TOKEN_ENV
     token = os.environ.get(token_env) or None if token_env else None
     if admin_url:
-        return AdminTarget(admin_url.rstrip("/"), token)
+        return AdminTarget(admin_url.rstrip("/"), token, token_env or DEFAULT_TOKEN_ENV)
     if config is None:
         raise ValueError("no admin address: give --admin URL or a readable --config")
     host = config.admin.listen.host
@@ -37,7 +41,22 @@ def target_from(config: Config | None, admin_url: str | None) -> AdminTarget:
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     if ":" in host:
         host = f"[{host}]"
-    return AdminTarget(f"http://{host}:{config.admin.listen.port}", token)
+    return AdminTarget(
+        f"http://{host}:{config.admin.listen.port}", token, token_env or DEFAULT_TOKEN_ENV
+    )
+
+
+def unauthorized(target: AdminTarget, body: Any) -> Any:
+    """A 401's answer with what to do added to its ``error``: the variable to set (the one
+    ``admin.token_env`` names, else ``RETRY_SIDECAR_ADMIN_TOKEN``)."""
+    name = target.token_env
+    if target.token:
+        hint = f"the token in {name} was refused: set {name} to this sidecar's admin token"
+    else:
+        hint = f"no token sent: set {name} to this sidecar's admin token"
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        return {**body, "error": f"{body['error']} ({hint})"}
+    return {"error": f"{body or 'unauthorized'} ({hint})"}
 
 
 def call(
@@ -61,6 +80,7 @@ def call(
         raw = exc.read()
         status = exc.code
     try:
-        return status, json.loads(raw) if raw else None
+        answer: Any = json.loads(raw) if raw else None
     except json.JSONDecodeError:
-        return status, raw.decode("utf-8", "replace")
+        answer = raw.decode("utf-8", "replace")
+    return status, unauthorized(target, answer) if status == 401 else answer

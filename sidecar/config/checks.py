@@ -394,3 +394,16 @@ def size(value: object) -> int:
 
 def size_or_unlimited(value: object) -> int:
     return units.parse_size_or_unlimited(value)
+
+
+def per_try_beyond_timeout(per_try: float | None, timeout: float) -> str | None:
+    """Why a fixed ``retry.per_try_timeout`` longer than the route's ``timeout`` is surprising
+    (valid, but it never applies: the deadline cuts every attempt first), with the fix; None
+    when it is not. Pure."""
+    if per_try is None or per_try <= timeout:
+        return None
+    return (
+        f"per_try_timeout {per_try:g}s is longer than the route's timeout {timeout:g}s, so it "
+        "never applies: the deadline ends every attempt first (and no retry follows); write a "
+        f"per_try_timeout below {timeout:g}s (or auto), or raise timeout"
+    )

@@ -171,7 +171,24 @@ class _Parser:
             if "name" in values and "upstreams" in values:
                 routes.append(Route(**values))
                 self.dead_guard(routes[-1], raw, path)
+                self.slow_try(routes[-1], raw, path)
         return routes
+
+    def slow_try(self, route: Route, raw: dict[str, Any], path: Path) -> None:
+        """A warning, at the line of the per_try_timeout in force (the route's, or the one
+        it inherits from ``defaults``), when it is longer than the route's timeout."""
+        why = checks.per_try_beyond_timeout(route.retry.per_try_timeout, route.timeout)
+        if why is None:
+            return
+        retry = raw.get("retry")
+        written_here = isinstance(retry, dict) and "per_try_timeout" in retry
+        where = (*path, "retry", "per_try_timeout")
+        line = self.located.line(
+            where if written_here else ("defaults", "retry", "per_try_timeout")
+        )
+        if not written_here:
+            why += " (per_try_timeout inherited from defaults.retry)"
+        self.warnings.append(ConfigIssue(line, path_str(where), why))
 
     def dead_guard(self, route: Route, raw: dict[str, Any], path: Path) -> None:
         """Idempotency on a route that matches none of its guarded methods: an error where

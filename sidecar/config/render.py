@@ -23,8 +23,9 @@ TABLE_BEGIN = "<!-- config-table:begin -->"
 TABLE_END = "<!-- config-table:end -->"
 HEADER = (
     "# retry-sidecar policy. Edit, then check with: retry-sidecar validate config/sidecar.yaml\n"
-    '# Reference: README.md "Configuration". Every key is shown with its default; this file is\n'
-    "# generated from the schema (python3 -m sidecar.config.render).\n"
+    '# Reference: README.md "Configuration". A working example with every key written out: at\n'
+    "# its default but for {own}, set for this example (README.md's key table\n"
+    "# gives every default). Generated from the schema (python3 -m sidecar.config.render).\n"
 )
 NOTE_COLUMN = 34
 _PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
@@ -118,9 +119,24 @@ def _entry_lines(e: schema.Entry, value: Any, indent: int) -> list[str]:
     return lines
 
 
+def set_by_example() -> list[str]:
+    """The top-level keys the example file sets to a value of its own, not their default
+    (a required key with no default is not one)."""
+    own = []
+    for e in schema.entries(Config):
+        if not e.key.example or e.default is MISSING:
+            continue
+        if yaml.safe_load(e.key.example) != yaml.safe_load(written(e.default, e.key)):
+            own.append(e.name)
+    return own
+
+
 def example_file() -> str:
-    """``config/sidecar.yaml``: every key with its default, commented from the schema."""
-    lines = [HEADER.rstrip("\n")]
+    """``config/sidecar.yaml``: every key written out, commented from the schema; at its
+    default but for the keys ``set_by_example``."""
+    names = [f"`{name}`" for name in set_by_example()]
+    own = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+    lines = [HEADER.format(own=own).rstrip("\n")]
     for e in schema.entries(Config):
         if e.attr == "routes":
             lines.append("defaults:")

@@ -206,6 +206,21 @@ class Reloader:
         # Keep the listeners the process started with; report what needs a restart.
         self.restart_required = [key for key, _ in needs_restart(self._started, new)]
 
+    async def _back_to_current(self, sha: str) -> None:
+        """The file holds the config in force again (a bad edit put back): a failed reload
+        is no longer the state of things, so its error is cleared and the reload reported
+        good. Nothing is applied: what serves is already these bytes."""
+        async with self._lock:
+            if self.store.last_error is None or sha != self.store.current.sha256:
+                return
+            self.store.last_error = None
+            self._bad_sha = None
+            log.info(
+                "config reload failure cleared: the file is back to the config in force (%s)",
+                sha[:12],
+            )
+            self._report(ReloadResult(True, sha, False, [], self.restart_required))
+
     def _report(self, result: ReloadResult) -> None:
         if self._on_result is not None:
             self._on_result(result)
@@ -255,6 +270,8 @@ class Reloader:
                 pending = None
                 if sha is not None:
                     loaded = fp
+                if sha == self.store.current.sha256:
+                    await self._back_to_current(sha)
                 continue
             fp = self._fingerprint()  # the stat that goes with the bytes just read
             wait = settle_wait(loaded, fp, settle)

@@ -148,6 +148,12 @@ def failures() -> tuple[type[BaseException], ...]:
     return (RedisError, OSError, TimeoutError, BadReply)
 
 
+async def ping(client: Redis) -> object:
+    """One PING: what ``links.FleetLinks.probe`` asks a link shown unreachable."""
+    answer: object = await client.ping()
+    return answer
+
+
 @dataclass(slots=True)
 class ReconnectPause:
     """When the Redis may be asked again. Pure: times are the caller's monotonic clock."""
@@ -229,6 +235,10 @@ class FleetLink:
     @property
     def connected(self) -> bool:
         return self.backoff.connected
+
+    def may_try(self) -> bool:
+        """Whether a call now would be sent (no pause after a failure, or the pause is over)."""
+        return self.backoff.ready(self._clock.monotonic())
 
     @property
     def last_error(self) -> str | None:

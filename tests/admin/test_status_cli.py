@@ -162,3 +162,47 @@ async def test_a_hostile_kill_switch_reason_is_printed_escaped(upstream_factory,
         assert json.loads(outputs[1])["switches"][0]["reason"] == HOSTILE  # still exact JSON
     finally:
         assert proc.terminate() == 0
+
+
+# Verbs whose endpoint needs the token, one per path through the CLI's client.
+GATED = [
+    ("killswitch", "set", "route:main", "--ttl", "15m", "--reason", "x"),
+    ("killswitch", "lift", "route:main"),
+    ("idempotency", "show", "k1"),
+    ("idempotency", "forget", "k1"),
+    ("dlq", "purge", "1"),
+    ("dlq", "replay", "1"),
+]
+
+
+@pytest.mark.slow
+async def test_a_401_names_the_variable_to_set(upstream_factory, tmp_path):
+    """Outside finding (issue 29): the CLI's 401 said only 401. It names the variable to set:
+    the one ``admin.token_env`` names (read from --config), else RETRY_SIDECAR_ADMIN_TOKEN
+    (--admin URL alone), and says whether a token was sent and refused."""
+    up = await upstream_factory(reply(200))
+    port, admin = free_port(), free_port()
+    text = routes_yaml(
+        up.url, admin=f'admin: {{listen: "127.0.0.1:{admin}", token_env: TEST_ADMIN_TOKEN}}'
+    ).replace('listen: "127.0.0.1:0"', f'listen: "127.0.0.1:{port}"', 1)
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(text)
+    proc = SidecarProcess(cfg, env={"TEST_ADMIN_TOKEN": TOKEN})
+    proc.start()
+    try:
+        await proc.wait_port(port, admin)
+        for verb in GATED:
+            out = await cli(*verb, "--config", str(cfg))
+            assert out.returncode == 1 and "error: 401: " in out.stderr, (verb, out.stderr)
+            assert "(no token sent: set TEST_ADMIN_TOKEN to this sidecar's admin token)" in (
+                out.stderr
+            ), (verb, out.stderr)
+            out = await cli(*verb, "--config", str(cfg), token="wrong")
+            assert "(the token in TEST_ADMIN_TOKEN was refused: set TEST_ADMIN_TOKEN" in (
+                out.stderr
+            ), (verb, out.stderr)
+            out = await cli(*verb, "--admin", f"http://127.0.0.1:{admin}")
+            assert "set RETRY_SIDECAR_ADMIN_TOKEN to" in out.stderr, (verb, out.stderr)
+        assert "wrong" not in out.stderr
+    finally:
+        proc.terminate()

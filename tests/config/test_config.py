@@ -343,3 +343,32 @@ def test_idempotency_on_a_route_that_matches_only_reads_is_refused_or_warned(tmp
         "PATCH/POST (the key is forwarded)"
     )
     assert "  idempotency: PATCH/POST with an Idempotency-Key reach the app once" in w
+
+
+def test_a_per_try_timeout_longer_than_the_route_timeout_is_warned(tmp_path):
+    """Outside finding (issue 29): ``per_try_timeout: 5s`` on a route with ``timeout: 1s``
+    passed ``validate`` silently; it never applies. A warning with the line, the key and the
+    fix, at the per_try_timeout in force (the route's, or the inherited one's line)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "version: 1\ndefaults:\n  retry: {per_try_timeout: 3s}\nroutes:\n"
+        "  - name: a\n    upstream: http://h:1\n    timeout: 1s\n"
+        "    retry: {per_try_timeout: 5s}\n"
+        "  - name: b\n    upstream: http://h:1\n    timeout: 2s\n"
+        "  - name: c\n    upstream: http://h:1\n    timeout: 3s\n"  # equal: no warning
+        "  - name: d\n    upstream: http://h:1\n    timeout: 1s\n"
+        "    retry: {per_try_timeout: auto}\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "sidecar", "validate", str(cfg)], capture_output=True, text=True
+    )
+    assert res.returncode == 0 and res.stdout == "OK: 4 routes\n", res.stderr
+    assert res.stderr.splitlines() == [
+        f"warning: {cfg}:8: routes[0].retry.per_try_timeout: per_try_timeout 5s is longer than "
+        "the route's timeout 1s, so it never applies: the deadline ends every attempt first "
+        "(and no retry follows); write a per_try_timeout below 1s (or auto), or raise timeout",
+        f"warning: {cfg}:3: routes[1].retry.per_try_timeout: per_try_timeout 3s is longer than "
+        "the route's timeout 2s, so it never applies: the deadline ends every attempt first "
+        "(and no retry follows); write a per_try_timeout below 2s (or auto), or raise timeout "
+        "(per_try_timeout inherited from defaults.retry)",
+    ]

@@ -14,7 +14,8 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import hang, reply, routes_yaml
-from tests.wait import BOUND, until
+from tests.proc import start_process
+from tests.wait import BOUND, until, until_async
 
 # A bound on the wait for a reload, not a latency promise: the watcher polls every 0.5 s and
 # compares hashes every 5 s (an in-place edit in the same mtime tick as its last look is
@@ -125,6 +126,57 @@ async def test_invalid_edit_changes_nothing_that_serves(
     assert await attempts_seen(client, sc.url) == 3
     async with client.get(admin + "/metrics") as resp:
         assert "retry_sidecar_config_last_reload_successful 1" in await resp.text()
+
+
+async def test_a_bad_edit_put_back_clears_the_failed_reload(upstream_factory, tmp_path):
+    """Outside finding (issue 29): a bad file written by rename, then the good file renamed
+    back, left the gauge at 0 and ``last_error`` set until SIGHUP, and the reload alert fired
+    while the file and the process agreed. The real process, its watcher at 0.5 s."""
+    up = await upstream_factory(reply(200))
+    body = f'routes:\n  - name: r\n    upstream: "{up.url}"\n    retry: {{attempts: 2}}\n'
+    proc, _port, admin = await start_process(tmp_path, body)
+    cfg = proc.config_path
+    good = cfg.read_text()
+    url = f"http://127.0.0.1:{admin}"
+
+    def put(text: str) -> None:
+        tmp = tmp_path / ".sidecar.yaml.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, cfg)
+
+    async def state(s: aiohttp.ClientSession) -> tuple[str, str | None, str]:
+        async with s.get(url + "/config") as resp:
+            body = await resp.json()
+        async with s.get(url + "/metrics") as resp:
+            gauge = next(
+                line.split()[1]
+                for line in (await resp.text()).splitlines()
+                if line.startswith("retry_sidecar_config_last_reload_successful ")
+            )
+        return gauge, body["last_error"], body["version"]
+
+    try:
+        async with aiohttp.ClientSession() as s:
+            version = (await state(s))[2]
+            put(good.replace("attempts: 2", "attempts: 99"))  # invalid: at most 10
+
+            async def failed() -> bool:
+                return (await state(s))[0] == "0"
+
+            await until_async(failed, "the bad edit to be refused")
+            error = (await state(s))[1]
+            assert error is not None and "attempts" in error
+            put(good)
+
+            async def cleared() -> bool:
+                return (await state(s))[:2] == ("1", None)
+
+            await until_async(cleared, "the put-back file to clear the failure")
+            assert (await state(s))[2] == version
+            await asyncio.sleep(1.5)  # three more polls: the line is not repeated
+    finally:
+        proc.terminate()
+    assert proc.stderr().count("the file is back to the config in force") == 1
 
 
 def test_every_config_key_is_live_or_restart_only():

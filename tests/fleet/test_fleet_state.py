@@ -7,7 +7,10 @@ back to 1 and the log says so. Only the uses that are on have a series."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+import subprocess
+import time
 from html import escape
 from pathlib import Path
 from typing import Any
@@ -141,3 +144,101 @@ async def test_every_use_that_is_on_has_its_series_and_its_row(
         }
     page = await get(admin, "/")
     assert all(f'id="fleet-{u}">connected' in page for u in every)
+
+
+def pings(redis: RedisServer) -> int:
+    """How many PINGs this Redis has answered (``INFO commandstats``)."""
+    import redis as redispy
+
+    with redispy.Redis(port=redis.port) as r:
+        stats: dict[str, Any] = r.info("commandstats")
+    return int(stats.get("cmdstat_ping", {}).get("calls", 0))
+
+
+async def guarded_write_while_paused(port: int, redis: RedisServer) -> None:
+    """One guarded write to a paused Redis: its claim times out, the link is unreachable."""
+    redis.pause()
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            f"http://127.0.0.1:{port}/orders", data=b"x", headers={"Idempotency-Key": "blip"}
+        ) as r,
+    ):
+        await r.read()
+
+
+async def test_a_quiet_link_comes_back_by_itself_once_redis_answers(
+    tmp_path: Path, redis: RedisServer, procs: list[SidecarProcess], upstream_factory: Any
+) -> None:
+    """Outside finding (issue 29): after a 3 s pause with one guarded write in it, and no
+    traffic after, ``fleet_connected{use="idempotency"}`` stayed 0 (and the critical alert
+    would fire) while Redis was healthy. The app's ``fleet-probe`` PINGs a link shown
+    unreachable; a connected one is not probed."""
+    up = await upstream_factory(reply(200))
+    config, _ = USES["idempotency"]
+    proc, port, admin = await start_process(tmp_path, fleet(redis) + config.format(up=up.url))
+    procs.append(proc)
+    try:
+        await guarded_write_while_paused(port, redis)
+        assert (await gauges(admin))["idempotency"] == "0"
+        await asyncio.sleep(3)  # the pause of the finding, probes failing meanwhile
+    finally:
+        redis.resume()
+
+    async def connected() -> bool:  # no request to the proxy: only the probe can bring it back
+        return (await gauges(admin))["idempotency"] == "1"
+
+    await until_async(connected, 'fleet_connected{use="idempotency"} 1', timeout=BOUND)
+    async with aiohttp.ClientSession() as s:
+        shown = await status(admin, s)
+    assert (shown["idempotency"]["state"], shown["idempotency"]["error"]) == ("connected", None)
+    assert "the fleet Redis (idempotency) answers again" in proc.stderr()
+    before = pings(redis)
+    await asyncio.sleep(2)  # four probe rounds: a connected link is not asked
+    assert pings(redis) == before
+
+
+def queued_at(port: int) -> int:
+    """Connections to ``port`` whose sent bytes the server has not read (its Recv-Q)."""
+    out = subprocess.run(
+        ["ss", "-Htn", "state", "established", f"( sport = :{port} )"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return sum(1 for line in out.splitlines() if int(line.split()[0]) > 0)
+
+
+async def test_a_stop_while_a_probe_waits_on_a_paused_redis_is_prompt(
+    tmp_path: Path, redis: RedisServer, procs: list[SidecarProcess], upstream_factory: Any
+) -> None:
+    """The probe task cancelled half-way: a PING in flight to a paused Redis (a 5 s timeout),
+    and SIGTERM: the sidecar stops without waiting out the PING."""
+    up = await upstream_factory(reply(200))
+    config, _ = USES["idempotency"]
+    slow = f'fleet: {{redis: {{url: "{redis.url}", timeout: 5s}}}}\n'
+    proc, _, admin = await start_process(tmp_path, slow + config.format(up=up.url))
+    procs.append(proc)
+    try:
+        redis.pause()  # a support engineer's look (5 s), then the link is unreachable; no
+        # guarded write: a key it left held would be settled at stop, against the pause
+        async with (
+            aiohttp.ClientSession() as s,
+            s.get(f"http://127.0.0.1:{admin}/idempotency/k") as r,
+        ):
+            assert r.status == 503, await r.text()
+        assert (await gauges(admin))["idempotency"] == "0"
+        stuck = queued_at(redis.port)
+        deadline = time.monotonic() + BOUND
+
+        while queued_at(redis.port) <= stuck:  # the probe's PING sent, not answered
+            assert time.monotonic() < deadline, "no probe reached the paused Redis"
+            await asyncio.sleep(0.05)
+        started = time.monotonic()
+        code = proc.terminate()
+        took = time.monotonic() - started
+    finally:
+        redis.resume()
+    assert code == 0
+    print(f"stopped in {took:.2f}s with the probe's PING in flight")
+    assert took < 4.0, f"the stop waited {took:.1f}s on the probe's PING (timeout 5 s)"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -199,3 +201,63 @@ async def test_a_scoped_key_is_found_and_forgotten_by_the_key_alone(
         assert out.returncode == 0, out.stderr
         out = await cli("idempotency", "show", "solo", "--config", cfg)
         assert out.returncode == 1 and "404" in out.stderr and "in any scope" in out.stderr
+
+
+async def test_a_support_engineer_finds_a_customers_scope_by_the_value_they_send(
+    session_app: SessionApp, tmp_path: Path, proc_stack: list[SidecarProcess]
+) -> None:
+    """Outside finding (issue 29): ``show`` lists scopes by a label and nothing said what it is
+    a digest of. ``--scope-value`` computes the scope from the header value the customer sends,
+    credentials normalised as the route does (scheme case, spaces), here; only the digest goes
+    to the admin API. ``-`` reads the value from stdin (kept out of the shell's history)."""
+    body = (
+        f'idempotency: {{path: "{tmp_path}/keys.sqlite3"}}\nroutes:\n'
+        "  - name: tenant\n    match: {path_prefix: /tenant}\n"
+        f'    upstream: "http://127.0.0.1:{session_app.port}"\n'
+        "    idempotency: {enabled: true, scope_header: X-Tenant}\n"
+        "  - name: pay\n"
+        f'    upstream: "http://127.0.0.1:{session_app.port}"\n'
+        "    idempotency: {enabled: true, scope_header: Authorization}\n"
+    )
+    port, _ = await start(proc_stack, tmp_path, body)
+    cfg = str(tmp_path / "sidecar.yaml")
+    alice, bob = b"Authorization: bearer   alice-secret\r\n", b"Authorization: Bearer bob\r\n"
+    for who in (alice, bob):
+        assert (await raw_request(port, write("/pay", b"ord-1", who))).startswith(b"HTTP/1.1 201")
+    tenant = write("/tenant", b"ord-2", b"X-Tenant: acme\r\n")
+    assert (await raw_request(port, tenant)).startswith(b"HTTP/1.1 201")
+    out = await cli("idempotency", "show", "ord-1", "--config", cfg)
+    labels = {s["scope"]: s for s in json.loads(out.stdout)["scopes"]}
+
+    out = await cli(
+        "idempotency", "show", "ord-1", "--scope-value", "Bearer alice-secret", "--config", cfg
+    )
+    assert out.returncode == 0, out.stderr
+    shown = json.loads(out.stdout)
+    assert shown["scope"] in labels and shown["state"] == "finished", shown
+    assert f"scope label of that Authorization value: {shown['scope']}" in out.stderr
+    assert "alice-secret" not in out.stdout + out.stderr
+    out = await cli(
+        "idempotency", "show", "ord-1", "--scope-value", "Bearer carol", "--config", cfg
+    )
+    assert out.returncode == 1 and "404" in out.stderr, out.stderr
+    out = await cli(
+        "idempotency", "show", "ord-2", "--scope-value", "acme", "--scope-header", "X-Tenant",
+        "--config", cfg,
+    )  # fmt: skip
+    assert out.returncode == 0 and json.loads(out.stdout)["state"] == "finished", out.stderr
+
+    forget = [sys.executable, "-m", "sidecar", "idempotency", "forget", "ord-1"]
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [*forget, "--scope-value", "-", "--config", cfg],
+        input="BEARER bob\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    gone = json.loads(done.stdout)["scope"]
+    assert gone in labels and gone != shown["scope"]
+    out = await cli("idempotency", "show", "ord-1", "--config", cfg)
+    assert [s["scope"] for s in json.loads(out.stdout)["scopes"]] == [shown["scope"]]

@@ -166,3 +166,29 @@ def test_readme_attempt_outcomes_are_the_tables():
     labels = {label(k) for k in OutcomeKind if k is not OutcomeKind.RESPONSE}
     labels |= {t.answer.code for t in LocalOverload.__subclasses__()} | {CANCELLED.name}
     assert named == labels
+
+
+def test_what_the_readme_says_of_the_example_file_is_true():
+    """Outside finding (issue 29): the README said the example file shows every key with its
+    default, but it sets its own name, listen and routes. The keys the example sets are the
+    ones the README's sentence names, and every other top-level key parses to its default."""
+    from dataclasses import MISSING
+
+    from sidecar.config import schema
+    from sidecar.config.model import Config
+    from sidecar.config.parse import parse_text
+    from sidecar.config.render import set_by_example
+
+    example = parse_text((ROOT / "config/sidecar.yaml").read_text())
+    differ = [
+        e.name
+        for e in schema.entries(Config)
+        if e.default is not MISSING and getattr(example, e.attr) != e.default
+    ]
+    assert differ == set_by_example() == ["name", "listen", "routes"], differ
+    text = " ".join((ROOT / "README.md").read_text().split())
+    said = re.search(r"The example `config/sidecar\.yaml` (.*?)\. ", text)
+    assert said is not None
+    claim = said.group(1)
+    assert "but for" in claim, claim  # not "every key with its default"
+    assert re.findall(r"`(\w+)`", claim.split("(")[0]) == set_by_example(), claim
