@@ -1,4 +1,10 @@
-"""Structured JSON logs on stderr, and a rate limiter for warnings that a client can trigger."""
+"""Structured JSON logs on stderr, and a rate limiter for warnings that a client can trigger.
+
+A line written while a request is traced carries ``trace_id`` and ``span_id`` (the
+OpenTelemetry log-correlation names; the request's server span), read from ``TRACE``: set when
+its span starts, in the request's own task (aiohttp runs each request in a task with a copy of
+the context), so it never leaks into another request's lines.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,10 @@ import json
 import logging
 import sys
 import time
+from contextvars import ContextVar
+
+# (trace_id, span_id) as lower-case hex, while a traced request runs in this task.
+TRACE: ContextVar[tuple[str, str] | None] = ContextVar("retry_sidecar_trace", default=None)
 
 
 class JsonFormatter(logging.Formatter):
@@ -19,6 +29,9 @@ class JsonFormatter(logging.Formatter):
         extra = getattr(record, "fields", None)
         if isinstance(extra, dict):
             out.update(extra)
+        ids = TRACE.get()
+        if ids is not None:
+            out["trace_id"], out["span_id"] = ids
         if record.exc_info and record.levelno >= logging.ERROR:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from sidecar import __version__
+from sidecar.telemetry.logs import TRACE
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -24,6 +25,13 @@ if TYPE_CHECKING:
 # OpenTelemetry is imported only when tracing is on: its SDK costs ~5 MB of RSS and some start
 # time in every sidecar that never exports a span.
 log = logging.getLogger("sidecar.tracing")
+
+
+def correlate(span: Span) -> None:
+    """The log lines of this request's task carry the span's ids from here on."""
+    ctx = span.get_span_context()
+    if ctx.is_valid:
+        TRACE.set((format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")))
 
 
 class Tracing:
@@ -80,7 +88,7 @@ class Tracing:
 
         assert self._tracer is not None
         parent = TraceContextTextMapPropagator().extract(carrier=headers)
-        return self._tracer.start_span(
+        span = self._tracer.start_span(
             method,
             context=parent,
             kind=SpanKind.SERVER,
@@ -91,6 +99,8 @@ class Tracing:
                 "retry_sidecar.route": route,
             },
         )
+        correlate(span)
+        return span
 
     def start_attempt(
         self, server: Span, method: str, attempt: int, upstream: str, hedge: bool = False
