@@ -39,6 +39,7 @@ from sidecar.engine.figures import RouteFigureSource
 from sidecar.fleet.connection import FleetUnavailable
 from sidecar.jsonapi import ExtraRoute, Handler, error, iso, loads_json
 from sidecar.lifecycle import Lifecycle
+from sidecar.telemetry.exposition import scrape
 from sidecar.telemetry.logs import RateLimit
 from sidecar.telemetry.metrics import Metrics
 
@@ -208,11 +209,10 @@ def build_admin_app(
         return web.json_response({"status": "ready"})
 
     async def metrics(request: web.Request) -> web.Response:
+        body, content_type = scrape(deps.metrics, request.headers.get("Accept", ""))
         return web.Response(
-            text=deps.metrics.render(),
-            content_type="text/plain",
-            charset="utf-8",
-            headers={"X-Content-Type-Options": "nosniff"},
+            body=body,
+            headers={"Content-Type": content_type, "X-Content-Type-Options": "nosniff"},
         )
 
     async def get_config(request: web.Request) -> web.Response:

@@ -15,7 +15,9 @@ from tests.proc import SidecarProcess, free_port
 INCOMING = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
-async def _run(tmp_path: Path, upstream: str, top: str, env: dict[str, str]) -> SidecarProcess:
+async def run_sidecar(
+    tmp_path: Path, upstream: str, top: str, env: dict[str, str]
+) -> SidecarProcess:
     port, admin = free_port(), free_port()
     cfg = tmp_path / "sidecar.yaml"
     cfg.write_text(
@@ -31,6 +33,7 @@ async def _run(tmp_path: Path, upstream: str, top: str, env: dict[str, str]) -> 
         proc.terminate()
         raise
     proc.port = port  # type: ignore[attr-defined]
+    proc.admin = admin  # type: ignore[attr-defined]
     return proc
 
 
@@ -58,7 +61,7 @@ async def _access_lines(proc: SidecarProcess, n: int) -> list[dict[str, object]]
 async def test_access_log_by_default_with_trace_ids(tmp_path, upstream_factory):
     up = await upstream_factory(reply(503), reply(200, b"hello"))
     env = {"OTEL_TRACES_EXPORTER": "console", "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
-    proc = await _run(tmp_path, up.url, "", env)
+    proc = await run_sidecar(tmp_path, up.url, "", env)
     try:
         async with aiohttp.ClientSession() as s:
             url = f"http://127.0.0.1:{proc.port}/orders/7?token=secret"  # type: ignore[attr-defined]
@@ -85,7 +88,7 @@ async def test_access_log_by_default_with_trace_ids(tmp_path, upstream_factory):
 
 async def test_lines_of_an_untraced_request_carry_no_trace_ids(tmp_path, upstream_factory):
     up = await upstream_factory(reply(200))
-    proc = await _run(tmp_path, up.url, "", {"OTEL_TRACES_EXPORTER": "none"})
+    proc = await run_sidecar(tmp_path, up.url, "", {"OTEL_TRACES_EXPORTER": "none"})
     try:
         async with aiohttp.ClientSession() as s:
             for _ in range(2):
@@ -101,7 +104,7 @@ async def test_lines_of_an_untraced_request_carry_no_trace_ids(tmp_path, upstrea
 
 async def test_access_log_off_with_one_key(tmp_path, upstream_factory):
     up = await upstream_factory(reply(200))
-    proc = await _run(tmp_path, up.url, "telemetry: {access_log: false}", {})
+    proc = await run_sidecar(tmp_path, up.url, "telemetry: {access_log: false}", {})
     try:
         url = f"http://127.0.0.1:{proc.port}/x"  # type: ignore[attr-defined]
         async with aiohttp.ClientSession() as s, s.get(url) as resp:
