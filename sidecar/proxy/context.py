@@ -128,7 +128,7 @@ class RequestContext:
         deps = self.deps
         trace_id: str | None = None
         if self.span is not None:
-            deps.tracing.end_server(self.span, resp.status, str(fate), attempts)
+            deps.tracing.end_server(self.span, resp.status, str(fate), attempts, proxy_error_code)
             ids = TRACE.get()
             trace_id = ids[0] if ids is not None else None
         deps.events.sequence_ended(
