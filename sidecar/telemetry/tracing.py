@@ -145,6 +145,10 @@ class Tracing:
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
             resource = resource.merge(Resource({SERVICE_NAME: service_name}))
         provider = TracerProvider(resource=resource)
+        from opentelemetry.trace import NoOpTracer
+
+        if isinstance(provider.get_tracer(__name__), NoOpTracer):  # OTEL_SDK_DISABLED=true
+            return cls(None)  # before any exporter or its thread is made
         for exporter in exporters.values():
             provider.add_span_processor(BatchSpanProcessor(exporter()))
         return cls(provider)
