@@ -73,7 +73,7 @@ def redacted(target: str) -> str:
     path, sep, query = target.partition("?")
     if not sep:
         return path
-    names = (p.partition("=")[0] for p in query.split("&"))
+    names = (p.partition("=")[0] for p in query.split("&") if p)
     return path + "?" + "&".join(f"{n}=REDACTED" for n in names)
 
 

@@ -202,3 +202,22 @@ async def test_tracestate_goes_upstream_only_with_a_traceparent(
             if seen.header("x-retry-edge") != "test-edge":
                 wrong.append(f"{name} {variant}: x-retry-edge {seen.header('x-retry-edge')!r}")
     assert wrong == [], "\n".join(wrong)
+
+
+def test_url_full_keeps_query_names_and_redacts_their_values():
+    from sidecar.telemetry.tracing import redacted
+
+    assert redacted("/a/b") == "/a/b"
+    assert redacted("/a?sig=abc&x=1") == "/a?sig=REDACTED&x=REDACTED"
+    assert redacted("/a?flag") == "/a?flag=REDACTED"
+    assert redacted("/a?") == "/a?"
+    assert redacted("/a?x=1&&y=2") == "/a?x=REDACTED&y=REDACTED"
+
+
+def test_server_address_and_port_apart():
+    from sidecar.telemetry.tracing import _host_port
+
+    assert _host_port("orders.svc:8080", 80) == ("orders.svc", 8080)
+    assert _host_port("[::1]:9000", 80) == ("::1", 9000)
+    assert _host_port("[::1]", 80) == ("::1", 80)
+    assert _host_port("orders.svc", 443) == ("orders.svc", 443)
