@@ -13,6 +13,7 @@ import logging
 import sys
 import time
 from contextvars import ContextVar
+from typing import TextIO
 
 # (trace_id, span_id) as lower-case hex, while a traced request runs in this task.
 TRACE: ContextVar[tuple[str, str] | None] = ContextVar("retry_sidecar_trace", default=None)
@@ -37,9 +38,34 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+# The handler setup() installed: the access log writes its preformatted lines to its stream.
+_handler: logging.StreamHandler[TextIO] | None = None
+
+
+def write_line(line: str) -> bool:
+    """Write ``line``, a JSON log line formatted by its caller, to the stream of the handler
+    ``setup`` installed, under that handler's lock; False (nothing written) when logging is
+    configured otherwise (a test's capture, an embedding program): the caller then logs it
+    through ``logging``. The access log's way: a line per request through ``logging`` costs
+    ~14 us of CPU, this ~3 us."""
+    h = _handler
+    if h is None or logging.root.handlers != [h]:
+        return False
+    h.acquire()
+    try:
+        h.stream.write(line)
+        h.stream.write("\n")
+        h.flush()
+    finally:
+        h.release()
+    return True
+
+
 def setup(level: str = "info") -> None:
+    global _handler
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
+    _handler = handler
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -8,7 +8,9 @@ level above info) it costs a level check and a config read per request.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from json import dumps
 
 from sidecar.telemetry.events import (
     AttemptEnded,
@@ -17,6 +19,7 @@ from sidecar.telemetry.events import (
     RetrySent,
     SequenceEnded,
 )
+from sidecar.telemetry.logs import TRACE, write_line
 
 
 class RequestLog:
@@ -41,11 +44,29 @@ class RequestLog:
     def sequence_ended(self, event: SequenceEnded) -> None:
         if not (self.log.isEnabledFor(logging.INFO) and self.on()):
             return
+        # The query may hold secrets (tokens, signatures): never logged.
+        path = event.target.partition("?")[0]
+        # Formatted here as JsonFormatter would (its keys, in its order): the logging
+        # machinery costs four times as much per line as the line itself.
+        line = (
+            f'{{"ts": {time.time():.3f}, "level": "info", "logger": "sidecar.access", '
+            f'"msg": "access", "method": {dumps(event.method)}, "route": {dumps(event.route)}, '
+            f'"path": {dumps(path)}, "status": {event.status}, '
+            f'"duration": {round(event.duration, 6)!r}, "attempts": {event.attempts}, '
+            f'"fate": {dumps(event.fate)}, "upstream": {dumps(event.upstream or None)}, '
+            f'"bytes": {event.sent}'
+        )
+        if event.proxy_error is not None:
+            line += ', "proxy_error": ' + dumps(event.proxy_error)
+        ids = TRACE.get()
+        if ids is not None:
+            line += f', "trace_id": "{ids[0]}", "span_id": "{ids[1]}"'
+        if write_line(line + "}"):
+            return
         fields: dict[str, object] = {
             "method": event.method,
             "route": event.route,
-            # The query may hold secrets (tokens, signatures): never logged.
-            "path": event.target.partition("?")[0],
+            "path": path,
             "status": event.status,
             "duration": round(event.duration, 6),
             "attempts": event.attempts,
