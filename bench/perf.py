@@ -1,6 +1,7 @@
 """Side-by-side performance: retry-sidecar vs nginx vs HAProxy as a reverse proxy, one run.
 
     python3 bench/perf.py [--duration 10] [--quick] [--json bench/results/perf.json]
+                          [--before CHECKOUT]
 
 Installs what it needs (nginx-light, haproxy, wrk from Debian's packages) if missing, starts an
 upstream nginx (~100-byte replies, keep-alive), nginx as proxy, HAProxy as proxy, retry-sidecar
@@ -21,7 +22,9 @@ The floors relay GET only, so they skip the 1 MiB bodies ("-" in the table). It 
 table, the ratios retry-sidecar / nginx, and what share of the sidecar's CPU per request the
 floors account for (floor-aiohttp / sidecar: the part no change inside the sidecar can remove
 while it keeps aiohttp's server; floor-aiohttp minus floor-protocol: what aiohttp's
-per-request server machinery costs), and writes JSON. Loopback only; bounded in time; it stops
+per-request server machinery costs), and writes JSON. ``--before CHECKOUT`` adds that checkout's
+two builds (``before-sidecar-pure``, ``before-sidecar-compiled``) to the same rotation:
+figures before and after a change, in the same run. Loopback only; bounded in time; it stops
 every process it started, by PID.
 """
 
@@ -57,6 +60,7 @@ BIG = 1024 * 1024
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 NOFILE = 20000  # set from the real limit in main()
 PAGE = os.sysconf("SC_PAGE_SIZE")
+LOG_LEVEL = "warning"  # the sidecars' --log-level (info: the shipped one, access log written)
 
 
 def ensure_tools() -> None:
@@ -268,7 +272,7 @@ routes:
   - name: bench
     upstream: "http://127.0.0.1:{up}"
 """)
-    return [sys.executable, "-m", "sidecar", "run", "--config", str(conf), "--log-level", "warning"]
+    return [sys.executable, "-m", "sidecar", "run", "--config", str(conf), "--log-level", LOG_LEVEL]
 
 
 def floor(kind: str, port: int, up: int) -> list[str]:
@@ -276,10 +280,11 @@ def floor(kind: str, port: int, up: int) -> list[str]:
     return [sys.executable, "-m", "bench.floor", kind, "--listen", str(port), "--upstream", str(up)]
 
 
-def build_tree(d: Path, compiled: bool) -> Path:
-    """A copy of the package to run: pure, or with the hot path compiled in place (setup.py)."""
-    root = Path(__file__).resolve().parent.parent
-    tree = d / ("compiled" if compiled else "pure")
+def build_tree(d: Path, compiled: bool, root: Path | None = None, prefix: str = "") -> Path:
+    """A copy of the package to run (of ``root``, this checkout by default): pure, or with the
+    hot path compiled in place (setup.py)."""
+    root = root or Path(__file__).resolve().parent.parent
+    tree = d / (prefix + ("compiled" if compiled else "pure"))
     tree.mkdir()
     shutil.copytree(
         root / "sidecar", tree / "sidecar", ignore=shutil.ignore_patterns("*.so", "__pycache__")
@@ -421,7 +426,15 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="3 s runs, one alternation")
     ap.add_argument("--idle", type=int, default=10000, help="idle keep-alive connections")
     ap.add_argument("--json", default="bench/results/perf.json")
+    ap.add_argument(
+        "--before", default=None, help="another checkout, run beside this one (same run)"
+    )
+    ap.add_argument(
+        "--log-level", default="warning", help="the sidecars' (info writes the access log)"
+    )
     args = ap.parse_args()
+    global LOG_LEVEL
+    LOG_LEVEL = args.log_level
     if args.quick:
         args.duration = 3.0
     rounds = 1 if args.quick else 2
@@ -455,6 +468,7 @@ def main() -> int:
             # The floors' upstream client is the compiled one: the lowest the floor can be.
             (FLOOR_AIOHTTP, floor("aiohttp", p_fa, up_port), p_fa, compiled),
             (FLOOR_PROTOCOL, floor("protocol", p_fp, up_port), p_fp, compiled),
+            *before_arms(d, args.before, up_port),
         ):
             # Kept in procs as soon as it exists, so a later failure still stops it.
             px = Proc(name, port)
@@ -512,8 +526,21 @@ def main() -> int:
     return 0
 
 
+def before_arms(d: Path, before: str | None, up: int) -> list[tuple[str, list[str], int, Path]]:
+    """The two builds of another checkout (``--before``), as more proxies of the rotation."""
+    if before is None:
+        return []
+    arms = []
+    for name, compiled in ((PURE, False), (COMPILED, True)):
+        port, admin = free_port(), free_port()
+        tree = build_tree(d, compiled, Path(before).resolve(), "before-")
+        arms.append(("before-" + name, sidecar(d, port, admin, up, "before-" + name), port, tree))
+    return arms
+
+
 def report(res: Results) -> None:
-    names = ["direct", "nginx", "haproxy", PURE, COMPILED, *FLOORS]
+    before = [n for n in (f"before-{PURE}", f"before-{COMPILED}") if n in res.rows]
+    names = ["direct", "nginx", "haproxy", PURE, COMPILED, *FLOORS, *before]
     m = res.mean
 
     def added(name: str, key: str) -> float:

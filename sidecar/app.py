@@ -79,7 +79,9 @@ class Sidecar:
         self.clock = clock or Clock()
         self.events = Fanout()
         self.metrics = Metrics()
-        self.events.sinks.extend((self.metrics, RequestLog()))
+        self.events.sinks.extend(
+            (self.metrics, RequestLog(lambda: self.store.current.telemetry.access_log))
+        )
         self.states = RouteStates(self._on_breaker_transition)
         self.states.sync(config)
         self._declare_routes(config)

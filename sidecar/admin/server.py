@@ -208,11 +208,13 @@ def build_admin_app(
         return web.json_response({"status": "ready"})
 
     async def metrics(request: web.Request) -> web.Response:
+        # Imported at the first scrape: prometheus_client costs ~1.5 MB of RSS.
+        from sidecar.telemetry.exposition import scrape
+
+        body, content_type = scrape(deps.metrics, request.headers.get("Accept", ""))
         return web.Response(
-            text=deps.metrics.render(),
-            content_type="text/plain",
-            charset="utf-8",
-            headers={"X-Content-Type-Options": "nosniff"},
+            body=body,
+            headers={"Content-Type": content_type, "X-Content-Type-Options": "nosniff"},
         )
 
     async def get_config(request: web.Request) -> web.Response:

@@ -1,10 +1,8 @@
-"""The validated configuration: frozen dataclasses, built once per load by ``parse``.
-
-A request reads one ``Config`` snapshot and keeps it for all of its attempts; a reload builds a
-whole new ``Config`` and swaps one reference (see ``store``). Each field declared with ``key``
-or ``section`` is a key of the file: its default, check, help and reload rule are written there
-once (``schema``); the per-route sections are in ``policies``.
-"""
+"""The validated configuration: frozen dataclasses, built once per load by ``parse``. A request
+reads one ``Config`` snapshot and keeps it for all of its attempts; a reload builds a whole new
+``Config`` and swaps one reference (see ``store``). Each field declared with ``key`` or
+``section`` is a key of the file: its default, check, help and reload rule are written there
+once (``schema``); the per-route sections are in ``policies``."""
 
 from __future__ import annotations
 
@@ -35,6 +33,7 @@ from sidecar.config.policies import (
     UpgradePolicy,
 )
 from sidecar.config.schema import key, section
+from sidecar.config.telemetry import Telemetry
 from sidecar.config.units import MAX_SIZE
 from sidecar.config.values import (
     HEDGE_METHODS,
@@ -422,6 +421,7 @@ class Config:
     )
     fleet: Fleet = section(Fleet, rows=True)
     limits: Limits = section(Limits, rows=True)
+    telemetry: Telemetry = section(Telemetry, rows=True)
     drain_timeout: float = key(
         20.0,  # applies to the next drain
         c.duration,

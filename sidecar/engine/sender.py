@@ -14,6 +14,7 @@ of them, so the whole set is freed by reference counting.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from sidecar.core import Clock, UpstreamError
@@ -37,6 +38,7 @@ class AttemptSender:
         "_head_only",
         "_method",
         "_span",
+        "_target",
         "_tracing",
         "_upgrade",
     )
@@ -54,6 +56,7 @@ class AttemptSender:
         chunked: bool,
         deadline: Deadline,
         upgrade: bool = False,
+        target: str = "",
     ) -> None:
         self._client = client
         self._clock = clock
@@ -66,6 +69,7 @@ class AttemptSender:
         self._chunked = chunked
         self._deadline = deadline
         self._upgrade = upgrade  # the request asks for a protocol switch (a tunnel)
+        self._target = target  # for the attempt's span (url.full)
 
     def time_left(self) -> float:
         """Called once a streamed body has been sent: the deadline starts from there."""
@@ -86,9 +90,14 @@ class AttemptSender:
         if span is not None:
             tracing = self._tracing
             attempt_span = tracing.start_attempt(
-                span, self._method, attempt, endpoint.authority, hedge
+                span,
+                self._method,
+                attempt,
+                (endpoint.name, endpoint.host, endpoint.port),
+                hedge,
+                target=self._target,
             )
-            head += b"traceparent: " + tracing.traceparent(attempt_span) + b"\r\n"
+            head += tracing.inject(attempt_span)
         try:
             up = await self._client.request(
                 endpoint.host,
@@ -103,7 +112,13 @@ class AttemptSender:
             )
         except BaseException as exc:
             if attempt_span is not None:
-                code = exc.code if isinstance(exc, UpstreamError) else type(exc).__name__
+                code = (
+                    exc.code
+                    if isinstance(exc, UpstreamError)
+                    else "cancelled"  # an attempt cut: a hedge that lost, the client gone
+                    if isinstance(exc, asyncio.CancelledError)
+                    else type(exc).__name__
+                )
                 self._tracing.end_attempt(attempt_span, None, code)
             raise
         if attempt_span is not None:

@@ -252,11 +252,19 @@ class Sequence:
             deps.tracing,
             ex.span,
             ex.method,
-            edge_head(ex.method, ex.target, ex.headers, edge_value, traced=ex.span is not None),
+            edge_head(
+                ex.method,
+                ex.target,
+                ex.headers,
+                edge_value,
+                # a traceparent of ours goes with each attempt (OTEL_PROPAGATORS has it)
+                traced=ex.span is not None and deps.tracing.w3c,
+            ),
             body=ex.body,
             chunked=ex.chunked,
             deadline=ex.deadline,
             upgrade=ex.upgrade,
+            target=ex.target,
         )
         method = ex.method
         killed = self._killed

@@ -106,8 +106,10 @@ def admit(
     span: Span | None = None
     if tracing.enabled:
         span = tracing.start_server(method, target, route.name, request.headers, peer)
-        # Our attempt spans become the parent the upstream sees.
-        shared = [(k, v) for k, v in shared if k.lower() != b"traceparent"]
+        # Our attempt spans become the parent the upstream sees: the propagators' headers
+        # (traceparent, b3...) go with each attempt, the client's are dropped.
+        replaced = tracing.replaced
+        shared = [(k, v) for k, v in shared if k.lower() not in replaced]
     return RequestContext(
         request,
         deps,

@@ -28,7 +28,7 @@ from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.held import HeldAnswer
 from sidecar.retry.deadline import Deadline, parse_timeout_ms
 from sidecar.telemetry.events import SequenceEnded
-from sidecar.telemetry.logs import RateLimit
+from sidecar.telemetry.logs import TRACE, RateLimit
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -59,6 +59,7 @@ class RequestContext:
         "target",
         "timeout_ms",
         "upgrade",
+        "upstream",
         "warnings",
     )
 
@@ -106,6 +107,7 @@ class RequestContext:
         # Counted once: a guarded write whose client left runs on and may end after its
         # handler counted it client-gone (proxy/detached.py).
         self.ended = False
+        self.upstream = ""  # the endpoint whose answer is relayed, for the access log
 
     @property
     def method(self) -> str:
@@ -124,8 +126,11 @@ class RequestContext:
             return resp
         self.ended = True
         deps = self.deps
+        trace_id: str | None = None
         if self.span is not None:
-            deps.tracing.end_server(self.span, resp.status, str(fate), attempts)
+            deps.tracing.end_server(self.span, resp.status, str(fate), attempts, proxy_error_code)
+            ids = TRACE.get()
+            trace_id = ids[0] if ids is not None else None
         deps.events.sequence_ended(
             SequenceEnded(
                 self.route.name,
@@ -135,6 +140,10 @@ class RequestContext:
                 deps.clock.monotonic() - self.start,
                 resp.status,
                 proxy_error=proxy_error_code,
+                target=self.target,
+                upstream=self.upstream,
+                sent=resp.body_length,
+                trace_id=trace_id,
             )
         )
         return resp
@@ -156,6 +165,8 @@ class RequestContext:
                 deps.clock.monotonic() - self.start,
                 CLIENT_CLOSED,
                 proxy_error=None,
+                target=self.target,
+                upstream=self.upstream,
             )
         )
 

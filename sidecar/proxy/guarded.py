@@ -183,6 +183,8 @@ async def run_guarded(ctx: RequestContext, intake: Intake) -> web.StreamResponse
         )
         if got.outcome is not None:
             deps.idempotency_result(route.name, got.outcome.value)
+            if ctx.span is not None:
+                deps.tracing.idempotency(ctx.span, got.outcome.value)
         return got
 
     # Its own task: a client that leaves cancels this handler, not the write (detached.py).

@@ -54,6 +54,8 @@ async def respond(ctx: RequestContext, seq: Sequence, body: Body) -> web.StreamR
             on_write=deps.dlq_write,
             result=result,
         )
+    if captured is not None and ctx.span is not None:
+        ctx.deps.tracing.dlq_captured(ctx.span, captured.header, captured.record_id)
     if captured is not None and captured.record_id and route.dlq.respond == "accepted":
         return ctx.finish(accepted(captured.record_id, fate, attempts), fate, attempts)
     if result is None:
@@ -64,6 +66,8 @@ async def respond(ctx: RequestContext, seq: Sequence, body: Body) -> web.StreamR
             message=f"circuit breaker of route {route.name} is open",
         )
         resp.headers["Retry-After"] = str(max(1, math.ceil(seq.refused_for)))
+        if ctx.span is not None:
+            ctx.deps.tracing.breaker_refused(ctx.span, seq.refused_for)
         dlq_headers(resp, captured)
         return ctx.finish(resp, fate, 0, proxy_error_code=outcomes.BREAKER_OPEN.code)
     return await answer(ctx, result, seq, captured=captured)

@@ -86,6 +86,7 @@ async def stream(
     """Relay the upstream's response: whole in one write when it is already here and small,
     else head first and the body as it comes."""
     request = ctx.request
+    ctx.upstream = up.endpoint
     held = ctx.held
     if held is not None:  # the head came: from here on the app has acted (proxy/guarded.py)
         held.status = up.status

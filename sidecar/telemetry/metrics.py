@@ -1,8 +1,10 @@
 """Prometheus metrics (text format 0.0.4), fed by the core's events.
 
-A small registry of our own instead of prometheus_client: label values here are all bounded
-(route names from the config, fixed fate/outcome words), updates are dict increments on the hot
-path, and rendering happens only when /metrics is scraped.
+A small registry of our own instead of prometheus_client's metric objects: label values here are
+all bounded (route names from the config, fixed fate/outcome words), updates are dict increments
+on the hot path (prometheus_client's take a lock and a label lookup per update), and rendering
+happens only when /metrics is scraped. What prometheus_client does well is used where it is:
+its process collector and its OpenMetrics exposition (``exposition.py``, at scrape only).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import math
 from bisect import bisect_left
 from collections.abc import Callable, Iterable
 
+from sidecar import __version__, build
 from sidecar.core import Fate
 from sidecar.telemetry.events import (
     AttemptEnded,
@@ -79,13 +82,17 @@ class Gauge:
     def set(self, labels: Labels, v: float) -> None:
         self.values[labels] = v
 
-    def render(self) -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} gauge"
+    def current(self) -> dict[Labels, float]:
+        """The values set and those computed now."""
         values = dict(self.values)
         if self.collect is not None:
             values.update(self.collect())
-        for labels, v in sorted(values.items()):
+        return values
+
+    def render(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {self.help}"
+        yield f"# TYPE {self.name} gauge"
+        for labels, v in sorted(self.current().items()):
             yield f"{self.name}{_fmt_labels(labels)} {_num(v)}"
 
 
@@ -95,6 +102,9 @@ class Histogram:
         self.help = help_
         self.buckets = buckets
         self.series: dict[Labels, list[float]] = {}  # bucket counts..., +Inf count, sum
+        # The last traced observation of each bucket, (trace id, value), shown as the bucket's
+        # exemplar in OpenMetrics: from a slow bucket to one of its traces.
+        self.exemplars: dict[Labels, dict[int, tuple[str, float]]] = {}
 
     def observe(self, labels: Labels, v: float) -> None:
         s = self.series.get(labels)
@@ -102,6 +112,13 @@ class Histogram:
             s = self.series[labels] = [0.0] * (len(self.buckets) + 2)
         s[bisect_left(self.buckets, v)] += 1  # the first bucket >= v; past the last: +Inf
         s[-1] += v
+
+    def exemplar(self, labels: Labels, v: float, trace_id: str) -> None:
+        """Keep ``trace_id`` as the exemplar of the bucket ``v`` (observed) falls in."""
+        ex = self.exemplars.get(labels)
+        if ex is None:
+            ex = self.exemplars[labels] = {}
+        ex[bisect_left(self.buckets, v)] = (trace_id, v)
 
     def render(self) -> Iterable[str]:
         yield f"# HELP {self.name} {self.help}"
@@ -218,6 +235,10 @@ class Metrics:
             "replayed, in-progress, mismatch, invalid, missing, released, lease-expired, "
             "store-error.",
         )
+        self.build_info = Gauge(
+            "build_info", "1, labelled with the version and the build (compiled or pure)."
+        )
+        self.build_info.set((("version", __version__), ("build", build())), 1.0)
         # Label tuples of the per-request series, made once per route and value: the event
         # handlers below then do plain dict increments.
         self._route: dict[str, Labels] = {}
@@ -255,6 +276,7 @@ class Metrics:
             self.upgrades,
             self.upgrades_in_flight,
             self.idempotency,
+            self.build_info,
         ]
 
     def render(self) -> str:
@@ -315,6 +337,8 @@ class Metrics:
     def sequence_ended(self, e: SequenceEnded) -> None:
         self.requests.inc(self._pair(self._fate, e.route, "fate", e.fate))
         self.request_duration.observe(self._route_labels(e.route), e.duration)
+        if e.trace_id is not None:
+            self.request_duration.exemplar(self._route_labels(e.route), e.duration, e.trace_id)
         if e.fate == "budget-exhausted":
             self.budget_exhausted.inc(self._route_labels(e.route))
 

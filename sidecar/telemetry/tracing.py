@@ -1,11 +1,23 @@
 """OpenTelemetry: a SERVER span per proxied request and a CLIENT span per upstream attempt.
 
-Each attempt's span is the parent named in the ``traceparent`` sent upstream with that attempt.
-Attribute names follow the HTTP semantic conventions (``http.request.method``,
-``http.response.status_code``, ``http.request.resend_count`` on attempts after the first,
-``error.type`` on failures). Tracing is off unless configured through the standard OTEL_*
-variables (``OTEL_TRACES_EXPORTER=otlp|console``); when off, the hot path pays one attribute check.
-The retry core never imports this module: the proxy handler calls it.
+Configured by the standard ``OTEL_*`` variables through the SDK's and the exporters' own
+support, never parsed here: the exporter by ``OTEL_TRACES_EXPORTER`` and
+``OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL`` (the SDK's own resolution to its exporter entry points:
+``grpc`` or ``http/protobuf``), its endpoint, headers, timeout, compression and certificates
+by the exporter itself, the resource by ``Resource.create`` (``OTEL_SERVICE_NAME``,
+``OTEL_RESOURCE_ATTRIBUTES``), the sampler by the ``TracerProvider`` (``OTEL_TRACES_SAMPLER`` /
+``_ARG``, parent-based by default), the propagators by ``opentelemetry.propagate``
+(``OTEL_PROPAGATORS``: ``tracecontext``, ``baggage``, ``b3``, ``b3multi``), and
+``OTEL_SDK_DISABLED`` by the ``TracerProvider`` (its tracers then are no-ops: tracing stays off).
+Two defaults are ours: ``OTEL_TRACES_EXPORTER`` unset is ``otlp`` when an OTLP endpoint
+variable is set, else ``none`` (a sidecar with no OTEL setting exports nothing and pays
+nothing); and with no protocol variable ``otlp`` speaks ``http/protobuf``, the specification's
+default (the Python SDK's own is grpc).
+
+Span names and attributes follow the stable HTTP semantic conventions; the names this module
+adds (``retry_sidecar.*``) are the README's span table, written once here. When tracing is off
+the hot path pays one attribute check. The retry core never imports this module's OpenTelemetry
+side: the proxy and the engine call it with the span they were given.
 """
 
 from __future__ import annotations
@@ -16,8 +28,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from sidecar import __version__
+from sidecar.telemetry.logs import TRACE
 
 if TYPE_CHECKING:
+    from opentelemetry.propagators.textmap import TextMapPropagator
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span
 
@@ -25,89 +39,182 @@ if TYPE_CHECKING:
 # time in every sidecar that never exports a span.
 log = logging.getLogger("sidecar.tracing")
 
+# The names of the README's span table that are not the semantic conventions'.
+ROUTE = "retry_sidecar.route"
+FATE = "retry_sidecar.fate"
+ATTEMPTS = "retry_sidecar.attempts"
+ATTEMPT = "retry_sidecar.attempt"
+HEDGE = "retry_sidecar.hedge"
+BREAKER_REFUSED = "retry_sidecar.breaker.refused"
+DLQ_CAPTURE = "retry_sidecar.dlq.capture"
+DLQ_RESULT = "retry_sidecar.dlq.result"
+DLQ_RECORD = "retry_sidecar.dlq.record_id"
+IDEMPOTENCY = "retry_sidecar.idempotency.result"
+
+# Headers the sidecar never takes from the propagators: it keeps ``tracestate`` itself (with its
+# edge member, and only with a valid traceparent: engine/head.py), and passes ``baggage`` on as
+# received (it adds none).
+KEPT_AS_RECEIVED = frozenset({"tracestate", "baggage"})
+OTLP_ENDPOINTS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+OTLP_PROTOCOLS = ("OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+
+
+def correlate(span: Span) -> None:
+    """The log lines of this request's task carry the span's ids from here on (a sampled
+    span only: an unsampled one is exported nowhere)."""
+    ctx = span.get_span_context()
+    if ctx.is_valid and ctx.trace_flags.sampled:
+        TRACE.set((format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")))
+
+
+def redacted(target: str) -> str:
+    """``target`` with the value of each query parameter replaced by ``REDACTED`` (the semantic
+    conventions' advice for ``url.full``: query values may hold tokens and signatures)."""
+    path, sep, query = target.partition("?")
+    if not sep:
+        return path
+    names = (p.partition("=")[0] for p in query.split("&") if p)
+    return path + "?" + "&".join(f"{n}=REDACTED" for n in names)
+
+
+def _host_port(authority: str, default: int) -> tuple[str, int]:
+    host, sep, port = authority.rpartition(":")
+    if sep and port.isdigit() and (not host.startswith("[") or host.endswith("]")):
+        return host.strip("[]"), int(port)
+    return authority.strip("[]"), default
+
 
 class Tracing:
     """Disabled unless given a TracerProvider."""
 
-    def __init__(self, provider: TracerProvider | None = None) -> None:
+    def __init__(
+        self, provider: TracerProvider | None = None, propagator: TextMapPropagator | None = None
+    ) -> None:
+        from_provider = provider.get_tracer("retry-sidecar", __version__) if provider else None
+        if from_provider is not None:
+            from opentelemetry.trace import NoOpTracer
+
+            if isinstance(from_provider, NoOpTracer):  # OTEL_SDK_DISABLED=true
+                provider, from_provider = None, None
         self.provider = provider
         self.enabled = provider is not None
-        self._tracer = provider.get_tracer("retry-sidecar", __version__) if provider else None
+        self._tracer = from_provider
+        if propagator is None and self.enabled:
+            from opentelemetry.propagate import get_global_textmap
+
+            propagator = get_global_textmap()  # OTEL_PROPAGATORS
+        self._propagator = propagator
+        fields = {f.lower() for f in propagator.fields} if propagator is not None else set()
+        # Incoming headers the propagators replace with each attempt's own.
+        self.replaced = frozenset(f.encode() for f in fields - KEPT_AS_RECEIVED)
+        # A traceparent goes upstream with each attempt (and with it our tracestate).
+        self.w3c = "traceparent" in fields
 
     @classmethod
     def from_env(cls, service_name: str) -> Tracing:
-        exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "none").strip().lower()
-        if exporter_name in ("", "none"):
-            return cls(None)
-        from opentelemetry.sdk.resources import Resource
+        env = os.environ
+        default = "otlp" if any(env.get(k) for k in OTLP_ENDPOINTS) else "none"
+        asked = [n.strip() for n in env.get("OTEL_TRACES_EXPORTER", default).split(",")]
+        http_default = not any(env.get(k) for k in OTLP_PROTOCOLS)
+        from opentelemetry.sdk import _configuration as sdk_config
+        from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import (
-            BatchSpanProcessor,
-            ConsoleSpanExporter,
-            SpanExporter,
-        )
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-        exporter: SpanExporter
-        if exporter_name == "console":
-            exporter = ConsoleSpanExporter()
-        elif exporter_name == "otlp":
-            try:
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[import-not-found,unused-ignore]
-                    OTLPSpanExporter,
-                )
-            except ImportError:
-                log.warning(
-                    "OTEL_TRACES_EXPORTER=otlp but the OTLP exporter is not installed "
-                    "(pip install 'retry-sidecar[otlp]'); tracing stays off"
-                )
-                return cls(None)
-            exporter = OTLPSpanExporter()
-        else:
-            log.warning("unsupported OTEL_TRACES_EXPORTER=%s; tracing stays off", exporter_name)
+        # The SDK's own resolution of an exporter name and the OTLP protocol variables to its
+        # exporter entry points (the functions its auto-configuration runs; private, pinned in
+        # requirements.lock and held by tests/telemetry/test_otlp.py).
+        try:
+            names = [
+                "otlp_proto_http"
+                if n == "otlp" and http_default
+                else sdk_config._get_exporter_entry_point(n, "traces")
+                for n in asked
+                if n and n.lower() != "none"
+            ]
+            exporters, _, _ = sdk_config._import_exporters(names, [], [])
+        except (RuntimeError, ValueError, ImportError) as exc:
+            log.warning(
+                "tracing stays off: %s (the OTLP exporters: pip install 'retry-sidecar[otlp]')",
+                exc,
+            )
             return cls(None)
-        resource = Resource.create(
-            {"service.name": os.environ.get("OTEL_SERVICE_NAME", service_name)}
-        )
+        if not exporters:
+            return cls(None)
+        resource = Resource.create({SERVICE_VERSION: __version__})
+        if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+            resource = resource.merge(Resource({SERVICE_NAME: service_name}))
         provider = TracerProvider(resource=resource)
-        provider.add_span_processor(BatchSpanProcessor(exporter))
+        from opentelemetry.trace import NoOpTracer
+
+        if isinstance(provider.get_tracer(__name__), NoOpTracer):  # OTEL_SDK_DISABLED=true
+            return cls(None)  # before any exporter or its thread is made
+        for exporter in exporters.values():
+            provider.add_span_processor(BatchSpanProcessor(exporter()))
         return cls(provider)
 
     def start_server(
-        self, method: str, target: str, route: str, headers: Mapping[str, str], peer: str
+        self,
+        method: str,
+        target: str,
+        route: str,
+        headers: Mapping[str, str],
+        peer: str,
     ) -> Span:
         from opentelemetry.trace import SpanKind
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        assert self._tracer is not None
-        parent = TraceContextTextMapPropagator().extract(carrier=headers)
-        return self._tracer.start_span(
-            method,
-            context=parent,
-            kind=SpanKind.SERVER,
-            attributes={
-                "http.request.method": method,
-                "url.path": target.split("?", 1)[0],
-                "client.address": peer,
-                "retry_sidecar.route": route,
-            },
+        assert self._tracer is not None and self._propagator is not None
+        parent = self._propagator.extract(carrier=headers)
+        host, port = _host_port(headers.get("Host", ""), 80)
+        attrs: dict[str, str | int] = {
+            "http.request.method": method,
+            "http.route": route,  # the route's name: see the README's span table
+            "url.path": target.partition("?")[0],
+            "url.scheme": "http",
+            "client.address": peer,
+            ROUTE: route,
+        }
+        if host:
+            attrs["server.address"] = host
+            attrs["server.port"] = port
+        agent = headers.get("User-Agent")
+        if agent:
+            attrs["user_agent.original"] = agent
+        span = self._tracer.start_span(
+            f"{method} {route}", context=parent, kind=SpanKind.SERVER, attributes=attrs
         )
+        correlate(span)
+        return span
 
     def start_attempt(
-        self, server: Span, method: str, attempt: int, upstream: str, hedge: bool = False
+        self,
+        server: Span,
+        method: str,
+        attempt: int,
+        endpoint: tuple[str, str, int],
+        hedge: bool = False,
+        *,
+        target: str = "",
     ) -> Span:
+        """``endpoint``: its configured name (``host:port``), and where it connects to."""
         from opentelemetry import trace
         from opentelemetry.trace import SpanKind
 
         assert self._tracer is not None
-        attrs: dict[str, str | int] = {
+        name, ip, port = endpoint
+        host, _ = _host_port(name, port)
+        attrs: dict[str, str | int | bool] = {
             "http.request.method": method,
-            "server.address": upstream,
-            "retry_sidecar.attempt": attempt,
+            "server.address": host,
+            "server.port": port,
+            "network.peer.address": ip,
+            "url.full": f"http://{name}{redacted(target)}",
+            ATTEMPT: attempt,
         }
         if attempt > 1:
             attrs["http.request.resend_count"] = attempt - 1
         if hedge:
-            attrs["retry_sidecar.hedge"] = 1  # this attempt races a slower one still running
+            attrs[HEDGE] = True  # this attempt races a slower one still running
         return self._tracer.start_span(
             method,
             context=trace.set_span_in_context(server),
@@ -115,14 +222,18 @@ class Tracing:
             attributes=attrs,
         )
 
-    @staticmethod
-    def traceparent(span: Span) -> bytes:
+    def inject(self, span: Span) -> bytes:
+        """The propagators' headers for an attempt whose span is ``span``, as header lines."""
         from opentelemetry import trace
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+        assert self._propagator is not None
         carrier: dict[str, str] = {}
-        TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(span))
-        return carrier.get("traceparent", "").encode("ascii")
+        self._propagator.inject(carrier, context=trace.set_span_in_context(span))
+        return b"".join(
+            f"{k}: {v}\r\n".encode("latin-1")
+            for k, v in carrier.items()
+            if k.lower() not in KEPT_AS_RECEIVED
+        )
 
     @staticmethod
     def end_attempt(span: Span, status: int | None, error_type: str | None) -> None:
@@ -130,7 +241,7 @@ class Tracing:
 
         if status is not None:
             span.set_attribute("http.response.status_code", status)
-            if status >= 500:
+            if status >= 400:  # a client span's error (semantic conventions)
                 span.set_attribute("error.type", str(status))
                 span.set_status(Status(StatusCode.ERROR))
         if error_type is not None:
@@ -139,16 +250,35 @@ class Tracing:
         span.end()
 
     @staticmethod
-    def end_server(span: Span, status: int, fate: str, attempts: int) -> None:
+    def end_server(
+        span: Span, status: int, fate: str, attempts: int, error_type: str | None = None
+    ) -> None:
+        """``error_type``: the outcome row's name when the sidecar answered itself."""
         from opentelemetry.trace import Status, StatusCode
 
         span.set_attribute("http.response.status_code", status)
-        span.set_attribute("retry_sidecar.fate", fate)
-        span.set_attribute("retry_sidecar.attempts", attempts)
+        span.set_attribute(FATE, fate)
+        span.set_attribute(ATTEMPTS, attempts)
+        if error_type is not None or status >= 500:  # a server span's error: 5xx only
+            span.set_attribute("error.type", error_type or str(status))
         if status >= 500:
-            span.set_attribute("error.type", str(status))
             span.set_status(Status(StatusCode.ERROR))
         span.end()
+
+    @staticmethod
+    def breaker_refused(span: Span, retry_in: float) -> None:
+        span.add_event(BREAKER_REFUSED, {"retry_sidecar.breaker.retry_in": retry_in})
+
+    @staticmethod
+    def dlq_captured(span: Span, result: str, record_id: str | None) -> None:
+        attrs = {DLQ_RESULT: result}
+        if record_id:
+            attrs[DLQ_RECORD] = record_id
+        span.add_event(DLQ_CAPTURE, attrs)
+
+    @staticmethod
+    def idempotency(span: Span, result: str) -> None:
+        span.set_attribute(IDEMPOTENCY, result)
 
     def shutdown(self) -> None:
         if self.provider is not None:

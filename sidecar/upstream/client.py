@@ -69,6 +69,11 @@ class UpstreamResponse:
         self.proxy_error = conn.proxy_error  # x-retry-proxy-error, set by an inner sidecar
 
     @property
+    def endpoint(self) -> str:
+        """The upstream endpoint that answered, ``host:port``."""
+        return self._pool.endpoint
+
+    @property
     def content_length(self) -> int | None:
         """The body length the upstream announced (None when chunked or close-delimited)."""
         k = self._kept

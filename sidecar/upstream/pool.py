@@ -46,6 +46,7 @@ class Pool:
         self.loop = loop  # read by the client on every request (no get_running_loop call)
         self.host = host
         self.port = port
+        self.endpoint = f"{host}:{port}"  # the access log's upstream
         self.settings = settings
         self._idle: list[Connection] = []
         self._total = 0  # idle + busy + connecting + granted

@@ -223,15 +223,15 @@ async def test_breakers_endpoint(upstream_factory, sidecar_factory, client):
     assert b["opened_at"].endswith("Z")
 
 
-async def test_one_json_log_line_per_request_at_debug(
+async def test_one_json_access_log_line_per_request_at_info(
     upstream_factory, sidecar_factory, client, caplog
 ):
     up = await upstream_factory(reply(503), reply(200))
     sc = await sidecar_factory(routes_yaml(up.url))
-    caplog.set_level(logging.DEBUG, logger="sidecar.request")
+    caplog.set_level(logging.INFO, logger="sidecar.access")
     async with client.get(sc.url + "/logged") as resp:
         assert resp.status == 200
-    [rec] = [r for r in caplog.records if r.name == "sidecar.request"]
+    [rec] = [r for r in caplog.records if r.name == "sidecar.access"]
     fields = rec.fields  # type: ignore[attr-defined]
     assert fields["route"] == "main" and fields["fate"] == "success" and fields["attempts"] == 2
     from sidecar.telemetry.logs import JsonFormatter

@@ -160,6 +160,7 @@ TOP_KEYS: dict[str, st.SearchStrategy[Any]] = {
     "limits.keepalive_timeout": POSITIVE,
     "limits.max_request_body": kind([0, 512, "1MiB", "unlimited", 2**63 - 1], [2**63, -1, "none"]),
     "limits.send_timeout": POSITIVE,
+    "telemetry.access_log": BOOLS,
     "drain_timeout": DURATIONS,
     "upstream_pool.max_connections": kind([1, 1024, 100_000], [0]),
     "upstream_pool.wait_timeout": DURATIONS,

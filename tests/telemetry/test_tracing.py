@@ -37,7 +37,7 @@ async def test_server_and_attempt_spans(upstream_factory, sidecar_factory, clien
     # The server span continues the caller's trace.
     assert format(srv.context.trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c"
     assert srv.parent is not None and format(srv.parent.span_id, "016x") == "b7ad6b7169203331"
-    assert srv.name == "GET"
+    assert srv.name == "GET main"  # {method} {route}
     assert srv.attributes is not None
     assert srv.attributes["http.response.status_code"] == 200
     assert srv.attributes["retry_sidecar.fate"] == "success"
@@ -114,7 +114,8 @@ async def test_a_hedge_and_the_adaptive_timeout_are_in_the_spans(
     hedges = [a for a in attempts if a.attributes and a.attributes.get("retry_sidecar.hedge")]
     assert len(attempts) == 2 and len(hedges) == 1
     assert hedges[0].attributes is not None
-    assert hedges[0].attributes["server.address"] == f"127.0.0.1:{up.port}"
+    assert hedges[0].attributes["server.address"] == "127.0.0.1"
+    assert hedges[0].attributes["server.port"] == up.port
 
 
 # -- tracestate goes upstream only with a traceparent (W3C Trace Context section 4.2) ----------
@@ -201,3 +202,22 @@ async def test_tracestate_goes_upstream_only_with_a_traceparent(
             if seen.header("x-retry-edge") != "test-edge":
                 wrong.append(f"{name} {variant}: x-retry-edge {seen.header('x-retry-edge')!r}")
     assert wrong == [], "\n".join(wrong)
+
+
+def test_url_full_keeps_query_names_and_redacts_their_values():
+    from sidecar.telemetry.tracing import redacted
+
+    assert redacted("/a/b") == "/a/b"
+    assert redacted("/a?sig=abc&x=1") == "/a?sig=REDACTED&x=REDACTED"
+    assert redacted("/a?flag") == "/a?flag=REDACTED"
+    assert redacted("/a?") == "/a?"
+    assert redacted("/a?x=1&&y=2") == "/a?x=REDACTED&y=REDACTED"
+
+
+def test_server_address_and_port_apart():
+    from sidecar.telemetry.tracing import _host_port
+
+    assert _host_port("orders.svc:8080", 80) == ("orders.svc", 8080)
+    assert _host_port("[::1]:9000", 80) == ("::1", 9000)
+    assert _host_port("[::1]", 80) == ("::1", 80)
+    assert _host_port("orders.svc", 443) == ("orders.svc", 443)
