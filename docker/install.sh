@@ -7,7 +7,9 @@ set -eu
 venv="$1"
 src="${2:-.}"
 build="${RETRY_SIDECAR_BUILD:-compiled}"
-pip="$venv/bin/pip --no-cache-dir --disable-pip-version-check"
+# pip's cache stays on: in the image it lives in the build stage, which the runtime stage does not
+# copy; in the test suite it holds the wheels the test extra's install just fetched.
+pip="$venv/bin/pip --disable-pip-version-check"
 python3 -m venv "$venv"
 $pip install -r "$src/requirements.lock"
 if [ "$build" = compiled ]; then
