@@ -411,11 +411,22 @@ def free_port() -> int:
     return proc_free_port()
 
 
-def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 20) -> None:
+def wait_port(
+    port: int,
+    proc: subprocess.Popen[bytes],
+    what: str,
+    timeout: float = 20,
+    log: Path | None = None,
+) -> None:
+    """Wait until ``port`` accepts; what the process wrote (its stderr pipe, or ``log``, the
+    file it writes to) is in the error when it exits first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            err = proc.stderr.read().decode() if proc.stderr else ""
+            if log is not None:
+                err = log.read_text(errors="replace")
+            else:
+                err = proc.stderr.read().decode() if proc.stderr else ""
             raise RuntimeError(f"{what} exited with {proc.returncode}: {err[-2000:]}")
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
@@ -584,14 +595,18 @@ routes:
 
 
 def start_sidecar(config: Path, port: int) -> subprocess.Popen[bytes]:
+    """The real sidecar; its log (an access log line per request by default) goes to a file
+    beside its config, never to a pipe nobody reads, which would fill and block it."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "run", "--config", str(config)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    wait_port(port, proc, "sidecar")
+    log = config.with_name(config.name + ".log")
+    with open(log, "wb") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sidecar", "run", "--config", str(config)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=out,
+        )
+    wait_port(port, proc, "sidecar", log=log)
     return proc
 
 
