@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
+from sidecar import outcomes
 from sidecar.core import Clock, UpstreamError
 from sidecar.retry.deadline import Deadline
 from sidecar.retry.endpoints import Endpoint
@@ -115,7 +116,7 @@ class AttemptSender:
                 code = (
                     exc.code
                     if isinstance(exc, UpstreamError)
-                    else "cancelled"  # an attempt cut: a hedge that lost, the client gone
+                    else outcomes.CANCELLED.name  # a hedge that lost, the client gone
                     if isinstance(exc, asyncio.CancelledError)
                     else type(exc).__name__
                 )
