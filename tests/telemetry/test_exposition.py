@@ -10,6 +10,7 @@ import time
 import aiohttp
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
+from sidecar import __version__, build
 from tests.conftest import reply
 from tests.telemetry.test_logs import INCOMING, run_sidecar
 
@@ -52,7 +53,8 @@ async def test_text_format_has_build_info_and_process_series(tmp_path, upstream_
     finally:
         proc.terminate()
     got = _samples(text)
-    assert got['retry_sidecar_build_info{version="0.1.0",build="pure"}'] == 1
+    # The process imports the same checkout as this test: the same version and build.
+    assert got[f'retry_sidecar_build_info{{version="{__version__}",build="{build()}"}}'] == 1
     for name in PROCESS_SERIES:
         assert name in got, name
     assert got["process_resident_memory_bytes"] > 1e6
@@ -95,4 +97,4 @@ async def test_openmetrics_when_asked_with_trace_exemplars(tmp_path, upstream_fa
     for name in ("process_cpu_seconds", "process_resident_memory_bytes", "process_open_fds"):
         assert name in families, name
     [info] = families["retry_sidecar_build_info"].samples
-    assert info.labels == {"version": "0.1.0", "build": "pure"} and info.value == 1
+    assert info.labels == {"version": __version__, "build": build()} and info.value == 1
