@@ -105,14 +105,20 @@ async def start_process(tmp_path: Path, body: str) -> tuple[SidecarProcess, int,
     cfg.write_text(
         f'version: 1\nlisten: "127.0.0.1:{port}"\nadmin: {{listen: "127.0.0.1:{admin}"}}\n{body}'
     )
-    proc = SidecarProcess(cfg)
+    return await launched(cfg, port, admin), port, admin
+
+
+async def launched(cfg: Path, *ports: int, env: dict[str, str] | None = None) -> SidecarProcess:
+    """The real process on ``cfg``, once every port given accepts; stopped by PID if it never
+    does (a failed start leaves no process behind)."""
+    proc = SidecarProcess(cfg, env)
     proc.start()
     try:
-        await proc.wait_port(port, admin)
+        await proc.wait_port(*ports)
     except BaseException:
         proc.terminate()
         raise
-    return proc, port, admin
+    return proc
 
 
 def run_until_line_then_kill(script: str, *args: str, line: bytes, timeout: float = 60.0) -> None:

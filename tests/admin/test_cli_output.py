@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 
 from tests.conftest import reply, routes_yaml
-from tests.proc import SidecarProcess, free_port
+from tests.proc import SidecarProcess, free_port, launched
 
 PIPE_CLOSED = 141  # 128 + SIGPIPE: what the shell shows for git or cat stopped the same way
 
@@ -54,14 +54,7 @@ async def start(upstream_url: str, tmp_path: Path) -> tuple[SidecarProcess, Path
     ).replace('listen: "127.0.0.1:0"', f'listen: "127.0.0.1:{port}"', 1)
     cfg = tmp_path / "sidecar.yaml"
     cfg.write_text(text)
-    proc = SidecarProcess(cfg)
-    proc.start()
-    try:
-        await proc.wait_port(port, admin)
-    except BaseException:
-        proc.terminate()
-        raise
-    return proc, cfg, port, admin
+    return await launched(cfg, port, admin), cfg, port, admin
 
 
 async def test_every_verb_that_prints_stops_quietly_when_its_reader_leaves(

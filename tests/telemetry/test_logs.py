@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 
 from tests.conftest import reply
-from tests.proc import SidecarProcess, free_port
+from tests.proc import SidecarProcess, free_port, launched
 
 INCOMING = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -25,13 +25,7 @@ async def run_sidecar(
         f'routes:\n  - name: orders\n    upstream: "{upstream}"\n'
         "    retry: {attempts: 2, backoff: {base: 1ms, max: 1ms}}\n"
     )
-    proc = SidecarProcess(cfg, env)
-    proc.start()
-    try:
-        await proc.wait_port(port, admin)
-    except BaseException:
-        proc.terminate()
-        raise
+    proc = await launched(cfg, port, admin, env=env)
     proc.port = port  # type: ignore[attr-defined]
     proc.admin = admin  # type: ignore[attr-defined]
     return proc
