@@ -240,20 +240,18 @@ def upstream(value: object) -> Upstream:
     if not isinstance(value, str):
         raise Invalid(f"expected a URL like 'http://127.0.0.1:8080', got {value!r}")
     parts = urlsplit(value)
-    if parts.scheme != "http":
-        raise Invalid(
-            "only plain http:// upstreams are supported (a sidecar talks to its local app); "
-            f"got {value!r}"
-        )
+    if parts.scheme not in ("http", "https"):
+        raise Invalid(f"expected an http:// or https:// URL, got {value!r}")
     if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
         raise Invalid(f"the upstream URL must be scheme://host:port only, got {value!r}")
     if not parts.hostname:
         raise Invalid(f"the upstream URL has no host: {value!r}")
     try:
-        port = parts.port or 80
+        tls = parts.scheme == "https"
+        port = parts.port or (443 if tls else 80)
     except ValueError:
         raise Invalid(f"bad port in {value!r}") from None
-    return Upstream(parts.hostname, port)
+    return Upstream(parts.hostname, port, tls)
 
 
 def upstreams(value: object) -> tuple[Upstream, ...]:

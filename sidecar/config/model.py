@@ -15,6 +15,7 @@ from sidecar.config.errors import ConfigIssue
 from sidecar.config.fileswitch import FileKillSwitch
 from sidecar.config.fleet import Fleet
 from sidecar.config.idempotency import IdempotencyPolicy, IdempotencyStorage
+from sidecar.config.limits import UNLIMITED_SIZE, Limits
 from sidecar.config.policies import (
     AutoTimeout,
     Backoff,
@@ -34,7 +35,7 @@ from sidecar.config.policies import (
 )
 from sidecar.config.schema import key, section
 from sidecar.config.telemetry import Telemetry
-from sidecar.config.units import MAX_SIZE
+from sidecar.config.tls import RouteTls, ServerTls
 from sidecar.config.values import (
     HEDGE_METHODS,
     IDEMPOTENT_METHODS,
@@ -117,8 +118,9 @@ class Route:
         required="required: the upstream URL, e.g. http://127.0.0.1:8080",
         show=lambda us: [str(u) for u in us],
         help=(
-            "`http://host:port`, or a list of them: the route's endpoints (up to 64). A host "
-            "name stands for every address it resolves to, re-resolved every "
+            "`http://host:port` or `https://host[:port]` (TLS, port 443 unless given; "
+            "verified as the route's `tls` says), or a list of them: the route's endpoints (up "
+            "to 64). A host name stands for every address it resolves to, re-resolved every "
             "`upstream_pool.dns_refresh`; a failed lookup keeps the addresses it had. Attempts "
             'take the endpoints in turn; see "Storm control"'
         ),
@@ -151,6 +153,15 @@ class Route:
             "the longest silence between two reads of a response body being relayed, after its "
             "head (nginx's `proxy_read_timeout`, 60 s); a body that stalls longer is cut. Per "
             "route like `timeout`"
+        ),
+    )
+    tls: RouteTls = section(
+        RouteTls,
+        note="for https:// upstreams: verified by default (chain and host name)",
+        help=(
+            "how `https://` upstreams are verified (`ca_file`, `server_name`, `verify`, "
+            "`min_version`) and the client certificate for mutual TLS (`client_cert`, "
+            '`client_key`); see "TLS"'
         ),
     )
     retry: RetryPolicy = section(RetryPolicy, rows=True)
@@ -247,79 +258,6 @@ class Admin:
     )
 
 
-# ``unlimited`` where a size may be: the largest size a config can hold.
-UNLIMITED_SIZE = MAX_SIZE
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    max_header_bytes: int = key(
-        32 * 1024, c.size, unit="size", help="request line plus headers; 431 beyond"
-    )
-    header_timeout: float = key(
-        10.0,
-        c.positive_duration,
-        unit="duration",
-        help=(
-            "a request head must arrive within this: a connection's first from accept (one "
-            "that sends nothing is closed), a later one from its first byte; 408 otherwise"
-        ),
-    )
-    body_idle_timeout: float = key(
-        30.0,
-        c.positive_duration,
-        unit="duration",
-        help=(
-            "a request body that sends nothing for this long gets 408 (and its upstream "
-            "request is aborted)"
-        ),
-    )
-    # A client connection idle between requests is closed after this (nginx's default is 75 s;
-    # aiohttp's own is an hour). Each idle connection costs ~10 KB here. Given to aiohttp's
-    # server at start.
-    keepalive_timeout: float = key(
-        75.0,
-        c.positive_duration,
-        unit="duration",
-        live=False,
-        note="idle client connections are closed after this",
-        help=(
-            "a client connection idle between requests is closed after this (aiohttp's own "
-            "default is an hour; each idle connection costs ~10 KB). Changes need a restart"
-        ),
-    )
-    # No limit by default (``unlimited``), as Envoy and Linkerd: bodies over the route's
-    # retry.max_body_bytes are streamed, never held, so memory is bounded by what is buffered.
-    # A 20 MiB git push or a 30 MiB package upload must pass as it does direct.
-    max_request_body: int = key(
-        UNLIMITED_SIZE,
-        c.size_or_unlimited,
-        unit="size",
-        help=(
-            "a size, or `unlimited`: a larger Content-Length gets 413 before any upstream call; "
-            "a chunked body is cut with 413 when it crosses the limit. No limit by default, as "
-            "Envoy and Linkerd (nginx's 1 MiB default is set per app; a sidecar must pass a 20 "
-            "MiB `git push` or a 30 MiB package upload as direct): a body over "
-            "`retry.max_body_bytes` is streamed, never held, so memory is bounded by what is "
-            "buffered"
-        ),
-    )
-    # A client that takes no response bytes for this long is cut, and everything its request
-    # held (bulkhead slot, upstream connection, buffers) is given back (nginx's send_timeout).
-    send_timeout: float = key(
-        60.0,
-        c.positive_duration,
-        unit="duration",
-        note="a client that takes no response bytes this long is cut",
-        help=(
-            "a client that takes no response bytes for this long (its socket buffer stays "
-            "full) is cut, and everything its request held (bulkhead slot, upstream "
-            "connection, buffers) is given back; as nginx's `send_timeout`, but measured as the "
-            "time the connection stays unwritable"
-        ),
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class UpstreamPool:
     """The pooled keep-alive connections to each upstream (host, port)."""
@@ -391,6 +329,14 @@ class Config:
         example='"127.0.0.1:15001"',
         note="the proxy listener; use 0.0.0.0:15001 in a container",
         help="proxy listener, `host:port` (IP address or `localhost`)",
+    )
+    server_tls: ServerTls = section(
+        ServerTls,
+        note="set cert_file and key_file: the proxy listener speaks TLS",
+        help=(
+            "the proxy listener over TLS: `cert_file` and `key_file` (re-read when they change), "
+            '`client_ca_file` for mutual TLS, `min_version`; see "TLS"'
+        ),
     )
     admin: Admin = section(
         Admin,

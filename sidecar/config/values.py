@@ -40,14 +40,19 @@ class PathPattern(Protocol):
 class Upstream:
     host: str
     port: int
+    tls: bool = False  # https://: the route's ``tls:`` section says how it is verified
 
     @property
     def authority(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
 
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
     def __str__(self) -> str:
-        return f"http://{self.authority}"
+        return f"{self.scheme}://{self.authority}"
 
 
 @dataclass(frozen=True, slots=True)

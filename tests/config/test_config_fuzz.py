@@ -138,6 +138,13 @@ ROUTE_KEYS: dict[str, st.SearchStrategy[Any]] = {
     "idempotency.max_response_bytes": SIZES,
     "idempotency.scope_header": kind([None, "Authorization", "x-tenant"], ["two words", 3]),
     "idempotency.on_store_error": kind(["refuse", "pass"], ["drop"]),
+    # a file that parses is the TLS tests' (tests/config/test_tls_config.py): here, none or gone
+    "tls.ca_file": kind([None], ["/nonexistent/ca.pem", ""]),
+    "tls.server_name": kind([None, "api.example.com"], ["", 3]),
+    "tls.client_cert": kind([None], ["/nonexistent/client.pem"]),
+    "tls.client_key": kind([None], ["/nonexistent/client.key"]),
+    "tls.verify": BOOLS,
+    "tls.min_version": kind(["1.2", "1.3"], ["1.1", 1.2]),
 }
 TOP_KEYS: dict[str, st.SearchStrategy[Any]] = {
     "name": kind(["edge", "x" * 128, "~"], ["", "é", "x" * 129]),
@@ -161,6 +168,10 @@ TOP_KEYS: dict[str, st.SearchStrategy[Any]] = {
     "limits.max_request_body": kind([0, 512, "1MiB", "unlimited", 2**63 - 1], [2**63, -1, "none"]),
     "limits.send_timeout": POSITIVE,
     "telemetry.access_log": BOOLS,
+    "server_tls.cert_file": kind([None], ["/nonexistent/cert.pem"]),
+    "server_tls.key_file": kind([None], ["/nonexistent/key.pem"]),
+    "server_tls.client_ca_file": kind([None], ["/nonexistent/ca.pem"]),
+    "server_tls.min_version": kind(["1.2", "1.3"], ["1.1"]),
     "drain_timeout": DURATIONS,
     "upstream_pool.max_connections": kind([1, 1024, 100_000], [0]),
     "upstream_pool.wait_timeout": DURATIONS,

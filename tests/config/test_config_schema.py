@@ -14,6 +14,7 @@ from sidecar.config import render, schema
 from sidecar.config.model import Config, RetryOn, Route
 from sidecar.config.parse import parse_text
 from sidecar.outcomes import OutcomeKind
+from tests import tlscerts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -143,6 +144,13 @@ async def test_a_reload_changing_every_per_route_key_reaches_each_owner(
     sc = await sidecar_factory(cfg.read_text(), config_path=str(cfg))
     keys = per_route_keys()
     assert len(keys) >= 50  # every key of every section, walked from the schema
+    made = tlscerts.make(tmp_path / "tls")  # the TLS files are read at parse: real ones
+    for path, file in (
+        ("tls.ca_file", made.ca),
+        ("tls.client_cert", made.client.cert),
+        ("tls.client_key", made.client.key),
+    ):
+        keys[path] = (f'"{file}"', file)
     cfg.write_text(doc(up.url, as_yaml(keys), dlq))
     result = await sc.sidecar.reload("test")
     assert result is not None and result.ok and result.changed, result

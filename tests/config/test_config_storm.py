@@ -84,7 +84,10 @@ def test_several_upstreams():
             'upstream: ["http://a:1", "http://a:1"]',
             "routes[0].upstream: item 1: http://a:1 is listed twice",
         ),
-        ('upstream: ["http://a:1", "ftp://b"]', "routes[0].upstream: item 1: only plain http://"),
+        (
+            'upstream: ["http://a:1", "ftp://b"]',
+            "routes[0].upstream: item 1: expected an http:// or https:// URL",
+        ),
     ],
 )
 def test_upstream_list_errors(snippet, line):
