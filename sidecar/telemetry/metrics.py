@@ -235,6 +235,17 @@ class Metrics:
             "replayed, in-progress, mismatch, invalid, missing, released, lease-expired, "
             "store-error.",
         )
+        self.tls_handshakes = Counter(
+            "tls_handshakes_total",
+            "TLS handshakes by side (listener: clients of the TLS listener; upstream: the "
+            "sidecar to https:// upstreams) and result (ok, tls-certificate, tls-handshake, "
+            "connect-failure).",
+        )
+        self.tls_cert_expiry = Gauge(
+            "tls_cert_expiry_seconds",
+            "Seconds until a certificate the sidecar presents expires, by use (listener; "
+            "route:<name> for a route's client certificate); negative once expired.",
+        )
         self.build_info = Gauge(
             "build_info", "1, labelled with the version and the build (compiled or pure)."
         )
@@ -276,6 +287,8 @@ class Metrics:
             self.upgrades,
             self.upgrades_in_flight,
             self.idempotency,
+            self.tls_handshakes,
+            self.tls_cert_expiry,
             self.build_info,
         ]
 
