@@ -8,7 +8,7 @@ schedule whatever the answers), and how fast a replay is answered against the ap
 One run, one real aiohttp app on loopback, two real sidecar processes with shipped defaults
 except where the keys live: one with the SQLite store (``idempotency: {backend: sqlite}``), one
 with the fleet's Redis store (``idempotency: {backend: redis}``, a real ``redis-server`` with
-``appendonly yes`` and ``appendfsync always``, as the README asks of it: tests/redisserver.py;
+``appendonly yes`` and ``appendfsync always``, as docs/fleet.md asks of it: tests/redisserver.py;
 ``--appendfsync everysec`` or ``no`` sets it otherwise, to tell Redis's fsync from the rest).
 Five arms: the app directly (no proxy), and per store an unguarded and a guarded route. They are
 measured in alternating blocks of ``--block`` seconds (``--seconds`` in all for each; the order
@@ -244,7 +244,7 @@ def summary(lats: dict[str, list[Sample]], replay: dict[str, list[float]]) -> di
 
 
 def table(out: dict[str, object]) -> str:
-    """The figures as the README's Markdown table: one row per store."""
+    """The figures as the Markdown table of docs/idempotency.md: one row per store."""
     series, stores = out["series"], out["stores"]
     assert isinstance(series, dict) and isinstance(stores, dict)
     d = series[DIRECT]

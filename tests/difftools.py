@@ -6,7 +6,7 @@ the documented differences below), the body's sha256 and the framing (Content-Le
 chunked, close-delimited, none). Echo endpoints of httpbin return the request they got as JSON:
 there the request is compared instead, minus the documented request additions.
 
-Documented differences (README "Deliberate differences"), and only these, are removed:
+Documented differences (docs/headers.md, "Deliberate differences"), and only these, are removed:
 - response: ``x-retry-attempts`` and ``x-retry-fate`` added (``x-retry-hedges`` too when the
   request was hedged); hop-by-hop fields
   (``Connection``, ``Keep-Alive``, ``Transfer-Encoding``, ``Trailer``) belong to each hop and
@@ -736,8 +736,8 @@ class RecordingUpstream:
         self._thread.join(10)
 
 
-# Request fields that belong to one hop, or that a proxy adds by contract (README "Deliberate
-# differences"): left out when what reached the upstream is compared.
+# Request fields that belong to one hop, or that a proxy adds by contract (docs/headers.md,
+# "Deliberate differences"): left out when what reached the upstream is compared.
 HOP_REQUEST = {
     "connection",
     "keep-alive",

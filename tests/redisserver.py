@@ -2,7 +2,7 @@
 
 Each server has its own directory and a free loopback port, appends every write to its AOF
 and fsyncs it before answering (``appendonly yes``, ``appendfsync always``, no RDB snapshots:
-``save ""``), as the README asks of a Redis that fleet mode relies on. A test can kill it
+``save ""``), as docs/fleet.md asks of a Redis that fleet mode relies on. A test can kill it
 (SIGKILL) and start it again on the same directory and port, or pause it (SIGSTOP) and let it
 go on (SIGCONT). ``stop`` always ends it: a paused server is resumed before SIGTERM, and one
 that does not exit in time gets SIGKILL. No fake Redis, ever: without the binary the tests

@@ -1,7 +1,7 @@
-"""What the schema renders: the README's key table, the example file with every default, and a
-config as ``GET /config`` shows it. ``python3 -m sidecar.config.render`` rewrites the README's
-table and ``config/sidecar.yaml``; tests/config/test_config_schema.py fails when either has
-drifted."""
+"""What the schema renders: the key table of the configuration reference
+(docs/configuration.md), the example file with every default, and a config as ``GET /config``
+shows it. ``python3 -m sidecar.config.render`` rewrites the reference's table and
+``config/sidecar.yaml``; tests/config/test_config_schema.py fails when either has drifted."""
 
 from __future__ import annotations
 
@@ -23,12 +23,25 @@ TABLE_BEGIN = "<!-- config-table:begin -->"
 TABLE_END = "<!-- config-table:end -->"
 HEADER = (
     "# retry-sidecar policy. Edit, then check with: retry-sidecar validate config/sidecar.yaml\n"
-    '# Reference: README.md "Configuration". A working example with every key written out: at\n'
-    "# its default but for {own}, set for this example (README.md's key table\n"
-    "# gives every default). Generated from the schema (python3 -m sidecar.config.render).\n"
+    "# Reference: docs/configuration.md. A working example with every key written out: at\n"
+    "# its default but for {own}, set for this example (docs/configuration.md's key\n"
+    "# table gives every default). Generated from the schema (python3 -m sidecar.config.render).\n"
 )
 NOTE_COLUMN = 34
 _PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
+# The page of docs/ (beside configuration.md) that holds each section a key's help text cites as
+# see "Section"; the table links them. `mkdocs build --strict` (tests/meta/test_site.py) fails on
+# a page or anchor that is not there. A section not listed stays quoted text.
+SECTION_PAGES = {
+    "Storm control": "retries.md",
+    "Dead-letter queue": "dlq.md",
+    "Effectively-once writes": "idempotency.md",
+    "Fleet mode": "fleet.md",
+    "Operating it": "operating.md",
+    "In an incident": "incidents.md",
+    "Upgrades (WebSocket)": "headers.md#upgrades-websocket",
+}
+_CITED = re.compile(r'\b([Ss]ee) "([^"]+)"')
 
 
 def _duration(seconds: float) -> str:
@@ -147,7 +160,17 @@ def example_file() -> str:
     return "\n".join(lines) + "\n"
 
 
-# -- the README's table ---------------------------------------------------------------------
+# -- the configuration reference's table ---------------------------------------------------
+
+
+def _linked(help_text: str) -> str:
+    """``help_text`` with each ``see "Section"`` it cites made a link to the page holding it."""
+
+    def link(m: re.Match[str]) -> str:
+        page = SECTION_PAGES.get(m.group(2))
+        return f"{m.group(1)} [{m.group(2)}]({page})" if page else m.group(0)
+
+    return _CITED.sub(link, help_text)
 
 
 def _rows(cls: type, prefix: str) -> list[str]:
@@ -164,8 +187,8 @@ def _rows(cls: type, prefix: str) -> list[str]:
         else:
             default = f"`{written(e.default, e.key)}`"
         if not e.key.help:
-            raise ValueError(f"{label}: a key the README lists needs help text")
-        out.append(f"| `{label}` | {default} | {e.key.help} |")
+            raise ValueError(f"{label}: a key the reference lists needs help text")
+        out.append(f"| `{label}` | {default} | {_linked(e.key.help)} |")
         if e.attr == "routes":
             out.extend(_rows(Route, "routes[]."))
     return out
@@ -175,12 +198,12 @@ def key_table() -> str:
     return "\n".join(["| key | default | meaning |", "|---|---|---|", *_rows(Config, "")])
 
 
-def with_table(readme: str) -> str:
-    """``readme`` with the text between the table's markers replaced by ``key_table()``."""
-    head, begin, rest = readme.partition(TABLE_BEGIN)
+def with_table(page: str) -> str:
+    """``page`` with the text between the table's markers replaced by ``key_table()``."""
+    head, begin, rest = page.partition(TABLE_BEGIN)
     _, end, tail = rest.partition(TABLE_END)
     if not begin or not end:
-        raise ValueError("the README has no config-table markers")
+        raise ValueError("the configuration reference has no config-table markers")
     return f"{head}{TABLE_BEGIN}\n{key_table()}\n{TABLE_END}{tail}"
 
 
@@ -216,8 +239,8 @@ def settings_json(config: Config) -> dict[str, Any]:
 
 def main(root: str = ".") -> None:
     base = Path(root)
-    readme = base / "README.md"
-    readme.write_text(with_table(readme.read_text()))
+    reference = base / "docs" / "configuration.md"
+    reference.write_text(with_table(reference.read_text()))
     (base / "config" / "sidecar.yaml").write_text(example_file())
 
 

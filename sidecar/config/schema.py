@@ -3,7 +3,8 @@ holds it (``key(...)`` for a value, ``section(...)`` for a nested section), next
 
 Everything else is derived from these declarations by walking the dataclasses: the parser
 (``parse``), the defaults a route inherits, the reload classification (``reload_rules``), the
-README's key table and the example file (``render``), ``GET /config`` (``render.as_json``).
+key table of docs/configuration.md and the example file (``render``), ``GET /config``
+(``render.as_json``).
 Adding a section is declaring its dataclass (fields made with ``key``) and one ``section(...)``
 field where it belongs: on ``Route`` for a per-route section, on ``Config`` for a top-level one.
 """
@@ -30,16 +31,16 @@ class Key:
     """What the schema knows of one key besides its name (the field's) and default."""
 
     check: Check | None  # None: a section, whose keys are the fields of its dataclass
-    help: str = ""  # the README's meaning of the key
+    help: str = ""  # the meaning of the key in docs/configuration.md
     note: str = ""  # the example file's comment (a line break: comment lines above the key)
     unit: Unit = ""
     live: bool | None = None  # applied by a reload (False: restart-only); None: as its parent
     yaml: str = ""  # the name in the file, when it is not the attribute's
     required: str = ""  # the message when it is missing ("": optional)
-    default_doc: str = ""  # the README's default when the value says it badly (hostname)
+    default_doc: str = ""  # the reference's default when the value says it badly (hostname)
     example: str = ""  # the example file's text for it, instead of the default
     flow: bool = False  # a section written on one line: {a: 1, b: 2}
-    rows: bool = False  # a section the README lists key by key instead of in one row
+    rows: bool = False  # a section the reference lists key by key instead of in one row
     own: bool = False  # parsed by its own code in parse.py (routes, match, killswitches)
     show: Callable[[Any], object] | None = None  # the value as a config writes it
 

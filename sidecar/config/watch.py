@@ -247,7 +247,7 @@ class Reloader:
         bytes and the file's stat have stayed the same long enough (``settle_wait``): ``settle``
         seconds for a file rewritten in place, one poll for one replaced by a rename. A writer
         pausing less than ``settle`` between two in-place writes is not loaded half-written;
-        one pausing longer can be (README "Hot reload": write elsewhere and rename)."""
+        one pausing longer can be (docs/operating.md, "Hot reload": write elsewhere and rename)."""
         last = self._fingerprint()
         loaded = last  # the file whose bytes serve: in place or replaced is judged against it
         # The first round always compares hashes: the file may have changed between the load

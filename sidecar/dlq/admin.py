@@ -1,4 +1,4 @@
-"""The DLQ's admin endpoints: list, show, replay, purge (README.md "Dead-letter queue").
+"""The DLQ's admin endpoints: list, show, replay, purge (docs/dlq.md).
 
 Every one of them needs the admin token when one is set, reads included: the list shows
 targets with their query strings and Idempotency-Keys, and a record holds its body.

@@ -1,5 +1,5 @@
 """Whether the fleet's Redis keeps what it acknowledged: ``appendonly yes`` and ``appendfsync
-always`` (every write in its append-only file, fsynced before the answer), which the README asks
+always`` (every write in its append-only file, fsynced before the answer), which docs/fleet.md asks
 of a Redis that holds the DLQ's records, read with ``CONFIG GET`` at start.
 
 A mismatch is a warning, not a refusal: the sidecar still runs (the DLQ still takes records,

@@ -135,7 +135,8 @@ class Histogram:
 
 
 class Metrics:
-    """The metrics listed in README.md ("Metrics"), and an EventSink that keeps them current.
+    """The metrics listed in docs/observability.md ("Metrics"), and an EventSink that keeps
+    them current.
 
     Their names are a contract: the chart's dashboard and alerts use them, and
     tests/telemetry/test_monitoring.py fails when one is renamed.

@@ -15,9 +15,9 @@ nothing); and with no protocol variable ``otlp`` speaks ``http/protobuf``, the s
 default (the Python SDK's own is grpc).
 
 Span names and attributes follow the stable HTTP semantic conventions; the names this module
-adds (``retry_sidecar.*``) are the README's span table, written once here. When tracing is off
-the hot path pays one attribute check. The retry core never imports this module's OpenTelemetry
-side: the proxy and the engine call it with the span they were given.
+adds (``retry_sidecar.*``) are the span table of docs/observability.md, written once here.
+When tracing is off the hot path pays one attribute check. The retry core never imports this
+module's OpenTelemetry side: the proxy and the engine call it with the span they were given.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 # time in every sidecar that never exports a span.
 log = logging.getLogger("sidecar.tracing")
 
-# The names of the README's span table that are not the semantic conventions'.
+# The names of the span table (docs/observability.md) that are not the semantic conventions'.
 ROUTE = "retry_sidecar.route"
 FATE = "retry_sidecar.fate"
 ATTEMPTS = "retry_sidecar.attempts"
@@ -168,7 +168,7 @@ class Tracing:
         host, port = _host_port(headers.get("Host", ""), 80)
         attrs: dict[str, str | int] = {
             "http.request.method": method,
-            "http.route": route,  # the route's name: see the README's span table
+            "http.route": route,  # the route's name: see docs/observability.md
             "url.path": target.partition("?")[0],
             "url.scheme": "http",
             "client.address": peer,

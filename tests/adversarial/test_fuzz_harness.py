@@ -1,5 +1,5 @@
 """The atheris entry points (bench/fuzz.py) run here on fixed seeds, so the harness cannot rot;
-the coverage-guided runs themselves are bounded runs from bench/ (see README)."""
+the coverage-guided runs themselves are bounded runs from bench/ (see docs/hardening.md)."""
 
 from __future__ import annotations
 

@@ -275,7 +275,7 @@ def test_a_standard_method_in_lower_case_is_refused_with_the_fix(method, where):
 def test_a_size_in_decimal_or_bare_units_is_refused_with_both_spellings(
     written, decimal, binary, fix
 ):
-    """Finding 14: ``1MB`` silently meant 1,000,000 bytes, a unit the README does not list.
+    """Finding 14: ``1MB`` silently meant 1,000,000 bytes, a unit the docs do not list.
     Refused: ``1MB`` is 1,000,000 to some and 1,048,576 to others (nginx's ``1m``)."""
     text = (
         "version: 1\nroutes:\n  - name: a\n    upstream: http://h:1\n"

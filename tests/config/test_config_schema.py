@@ -1,4 +1,5 @@
-"""The schema is the one source of every key: the README's table and the example file are
+"""The schema is the one source of every key: the configuration reference's table
+(docs/configuration.md) and the example file are
 rendered from it (drift fails here), ``GET /config`` shows every key, and a reload that changes
 every per-route key reaches each key's owner in the running sidecar."""
 
@@ -19,9 +20,9 @@ from tests import tlscerts
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_readme_key_table_is_the_schema_rendered() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert readme == render.with_table(readme), "run: python3 -m sidecar.config.render"
+def test_the_references_key_table_is_the_schema_rendered() -> None:
+    reference = (ROOT / "docs" / "configuration.md").read_text()
+    assert reference == render.with_table(reference), "run: python3 -m sidecar.config.render"
 
 
 def test_example_file_is_the_schema_rendered_with_every_default() -> None:

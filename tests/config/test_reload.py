@@ -245,7 +245,7 @@ async def test_restart_only_keys_are_reported_not_applied(
     cfg.write_text(text)  # back to what the process runs with: nothing pending
     async with client.post(admin + "/config/reload") as resp:
         assert (await resp.json())["restart_required"] == []
-    # upstream_pool.dns_refresh applies at once (README): a reload changing only it is not
+    # upstream_pool.dns_refresh applies at once (docs/configuration.md): a reload changing only it is not
     # reported as needing a restart (the whole section was compared, and it was).
     cfg.write_text(text + "upstream_pool: {dns_refresh: 1s}\n")
     async with client.post(admin + "/config/reload") as resp:

@@ -170,7 +170,7 @@ async def test_an_in_place_rewrite_pausing_1_2s_between_writes_is_not_loaded_hal
 async def test_a_rename_based_rewrite_never_shows_a_half_state(
     upstream_factory, tmp_path: Path
 ) -> None:
-    """What the README tells a writer to do (as a ConfigMap's ``..data`` swap): write the new
+    """What docs/operating.md tells a writer to do (as a ConfigMap's ``..data`` swap): write the new
     file beside it, as slowly as it likes (two writes 1.2 s apart here), then rename it over
     the old one. Under live traffic, no request sees a half state, and the new file is loaded
     after one poll."""
@@ -232,7 +232,7 @@ def test_settle_in_place_waits_for_bytes_and_stat_to_stand_still() -> None:
 
 
 def test_settle_documented_limit_and_a_rename() -> None:
-    """The limit README "Hot reload" states: a writer pausing longer than the window in
+    """The limit docs/operating.md "Hot reload" states: a writer pausing longer than the window in
     place can be loaded half-written. A file renamed into place loads at the next poll."""
     half = "h" * 64
     assert _polls([(t / 2, half, IN_PLACE) for t in range(1, 7)], SETTLE) == [2.5]

@@ -270,7 +270,7 @@ async def test_writes_whose_every_attempt_failed_to_connect_are_stored_as_never_
 ):
     """A resendable write (a DELETE, a POST with a key) retried three times against a port
     nobody listens on never left the sidecar: its record says ``reached_upstream`` false, as
-    the README promises; it said true whenever there was more than one attempt. One attempt
+    docs/dlq.md promises; it said true whenever there was more than one attempt. One attempt
     that got an answer (here a 503 from the first endpoint, then a connect failure on the
     second) makes it true."""
     from tests.proc import free_port

@@ -311,7 +311,7 @@ async def test_sigkill_mid_request_holds_the_key_until_its_lease(app, tmp_path, 
 
     await until_async(through, "the lease to pass")
     assert answers[-1] == 201
-    assert len(app.writes) == 2  # at-least-once after a lease: said in the README
+    assert len(app.writes) == 2  # at-least-once after a lease: said in docs/idempotency.md
     assert (await counts(admin))["lease-expired"] == 1
 
 

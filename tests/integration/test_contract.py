@@ -1,6 +1,6 @@
 """The user-facing names checked from outside: the real ``python -m sidecar`` process and CLI,
 real upstreams on loopback. Each test here pins a place where the running product and its
-documentation (README, the example config) disagreed."""
+documentation (docs/, the example config) disagreed."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tests.webserver import serve
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "config" / "sidecar.yaml"
-README = (ROOT / "README.md").read_text()
+HEADERS_PAGE = (ROOT / "docs" / "headers.md").read_text()
 
 # One unknown key in every section the validator knows: its error lists the keys allowed there.
 PROBE = """version: 1
@@ -52,7 +52,8 @@ routes:
 
 
 def test_the_example_config_shows_every_key_validate_accepts(tmp_path: Path) -> None:
-    """README: "The example config/sidecar.yaml shows every key with its default". The keys
+    """docs/configuration.md: "The example config/sidecar.yaml is a working config with every key
+    written out". The keys
     are taken from what ``retry-sidecar validate`` itself says is allowed in each section."""
     probe = tmp_path / "probe.yaml"
     probe.write_text(PROBE)
@@ -87,18 +88,18 @@ def test_the_example_config_shows_every_key_validate_accepts(tmp_path: Path) -> 
     assert ok.returncode == 0 and ok.stdout.startswith("OK: "), ok.stdout + ok.stderr
 
 
-def _proxy_error_codes_in_readme() -> set[str]:
-    """The x-retry-proxy-error codes README's "Headers" section lists."""
-    start = README.index("- `x-retry-proxy-error: <code>` when the sidecar made the response")
-    end = README.index("- Every response the sidecar made itself also carries")
-    return set(re.findall(r"`([a-z][a-z-]+)`", README[start:end]))
+def _proxy_error_codes_in_docs() -> set[str]:
+    """The x-retry-proxy-error codes the headers page (docs/headers.md) lists."""
+    start = HEADERS_PAGE.index("- `x-retry-proxy-error: <code>` when the sidecar made the response")
+    end = HEADERS_PAGE.index("- Every response the sidecar made itself also carries")
+    return set(re.findall(r"`([a-z][a-z-]+)`", HEADERS_PAGE[start:end]))
 
 
 async def test_a_kill_switch_set_during_a_backoff_answers_with_a_documented_error(
     tmp_path: Path,
 ) -> None:
     """A retry scheduled before an SRE flips the kill switch is not sent (nor counted in
-    retries_total or the retry budget); the client gets the sidecar's own 503. Its x-retry-proxy-error code must be one README documents, its
+    retries_total or the retry budget); the client gets the sidecar's own 503. Its x-retry-proxy-error code must be one docs/headers.md documents, its
     Proxy-Status must not claim a broken connection (the upstream answered, with a 503), and
     RFC 9209's ``received-status`` says what the upstream answered."""
     seen: list[str] = []
@@ -152,7 +153,7 @@ async def test_a_kill_switch_set_during_a_backoff_answers_with_a_documented_erro
             assert resp.headers["x-retry-fate"] == "kill-switch"
             code = resp.headers["x-retry-proxy-error"]
             assert code == "kill-switch"
-            assert code in _proxy_error_codes_in_readme()
+            assert code in _proxy_error_codes_in_docs()
             assert resp.headers["Proxy-Status"] == (
                 "retry-sidecar; error=destination_unavailable; received-status=503"
             )
@@ -244,7 +245,7 @@ routes:
         sc.terminate()
     series = _series(text)
     p = "retry_sidecar_"
-    # The x-retry-fate values, and README's additions: throttled, overloaded, draining, and
+    # The x-retry-fate values, and the headers page's additions: throttled, overloaded, draining, and
     # the two never sent in a header, client-gone and body-broken.
     fates = [
         "success",
@@ -295,7 +296,7 @@ async def test_a_pool_wait_ended_by_the_per_try_timeout_is_not_called_a_deadline
 ) -> None:
     """A wait for a pooled connection that the attempt's per-try timeout ends is no time left
     for that attempt; with the sequence's deadline far off, the sidecar's 504 must say
-    ``per-try-timeout`` (README's code for it), not ``deadline`` with "the request deadline
+    ``per-try-timeout`` (the headers page's code for it), not ``deadline`` with "the request deadline
     passed", which sends an SRE after the wrong timeout."""
     seen: list[str] = []
     release = asyncio.Event()

@@ -327,9 +327,9 @@ def test_values_schema_rejects_unknown_keys():
         chart.validate_schema(chart.merge_values({"sidecar": {"nativ": True}}))
 
 
-def test_readme_has_the_deploy_section():
-    text = (ROOT / "README.md").read_text()
-    assert "## Deploy next to your app" in text
+def test_docs_have_the_deploy_page():
+    text = (ROOT / "docs" / "deploying.md").read_text()
+    assert text.startswith("# Deploy next to your app\n")
     assert re.search(r"helm (upgrade --install|install) ", text)
 
 

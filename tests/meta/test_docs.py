@@ -1,5 +1,7 @@
 """The repository stands on its own: no citation of documents it does not contain, and the
-README's pictures and links point at files that exist."""
+README's pictures and links point at files that exist. The documentation pages (docs/) say what
+the code does: the outcome vocabulary, the config's defaults, what the example file sets. That
+the site builds, every link and anchor included, is tests/meta/test_site.py."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ pytestmark = pytest.mark.once  # the same result in either build: CI's compiled 
 
 ROOT = Path(__file__).resolve().parents[2]
 OUTSIDE = ("DESIGN" + ".md", "../" + "shared")  # split, so this file does not cite them
+DOCS = ROOT / "docs"
 
 
 def tracked() -> list[Path]:
@@ -65,7 +68,8 @@ def test_curl_examples_that_send_json_say_so():
         for cmd in curl_commands(path.read_text())
         if re.search(r"(-d|--data(-raw|-binary)?) +['\"]?[{\[]", cmd)
     ]
-    assert len(sending_json) >= 3  # the README's two kill-switch commands and the chart's
+    # the kill-switch commands of operating.md and deploying.md, and the chart's
+    assert len(sending_json) >= 3
     wrong = [
         (name, cmd)
         for name, cmd in sending_json
@@ -74,25 +78,25 @@ def test_curl_examples_that_send_json_say_so():
     assert wrong == []
 
 
-# -- the README's outcome vocabulary is the table's (sidecar/outcomes.py) ---------------------
+# -- the documented outcome vocabulary is the table's (sidecar/outcomes.py) -----------------
 
 
-def readme_bullet(start: str) -> str:
-    """The README bullet (or table row) that begins with ``start``, up to the next bullet or
-    blank line (the end of the row)."""
-    text = (ROOT / "README.md").read_text()
+def bullet(page: str, start: str) -> str:
+    """The bullet (or table row) of ``docs/<page>`` that begins with ``start``, up to the next
+    bullet or blank line (the end of the row)."""
+    text = (DOCS / page).read_text()
     i = text.index(start)
     ends = ("\n",) if start.startswith("|") else ("\n- ", "\n\n")
     end = min(j for j in (text.find(e, i) for e in ends) if j != -1)
     return text[i:end].replace("\n", " ")
 
 
-def test_readme_retry_on_words_are_the_tables():
+def test_documented_retry_on_words_are_the_tables():
     from sidecar.config.model import RetryOn
     from sidecar.config.parse import parse_text
     from sidecar.outcomes import RETRY_ON_WORDS, STATUS_GROUPS
 
-    row = readme_bullet("| `routes[].retry.retry_on` |")
+    row = bullet("configuration.md", "| `routes[].retry.retry_on` |")
     m = re.fullmatch(r"\| `routes\[\]\.retry\.retry_on` \| `\[(.*?)\]` \| (.*) \|", row)
     assert m is not None, row
     default, also = m.groups()
@@ -108,23 +112,23 @@ def test_readme_retry_on_words_are_the_tables():
     assert config_default is not None and config_default.group(1) == default
 
 
-def test_readme_fates_are_the_fates():
+def test_documented_fates_are_the_fates():
     from sidecar.core import Fate
     from sidecar.outcomes import ROWS
 
-    bullet = readme_bullet("- `x-retry-attempts: N`")
-    named = {w for w in re.findall(r"`([a-z][a-z-]*)`", bullet) if not w.startswith("x-retry")}
+    text = bullet("headers.md", "- `x-retry-attempts: N`")
+    named = {w for w in re.findall(r"`([a-z][a-z-]*)`", text) if not w.startswith("x-retry")}
     assert {f.value for f in Fate} <= named
     assert named - {f.value for f in Fate} <= {r.code for r in ROWS}
 
 
-def test_readme_proxy_errors_and_their_statuses_are_the_tables():
+def test_documented_proxy_errors_and_their_statuses_are_the_tables():
     """``x-retry-proxy-error: <code>`` ... `code` / `code` (status: ...), ...: every code the
     sidecar answers with, each with its row's status."""
     from sidecar.outcomes import BAD_REQUEST, ROWS
 
-    bullet = readme_bullet("- `x-retry-proxy-error: <code>`")
-    listed = bullet[bullet.index("`connect-failure`") :]
+    text = bullet("headers.md", "- `x-retry-proxy-error: <code>`")
+    listed = text[text.index("`connect-failure`") :]
     documented: dict[str, int] = {}
     pending: list[str] = []
     for m in re.finditer(r"\((\d{3})[^)]*\)|`([a-z][a-z-]*)`", listed):
@@ -137,29 +141,29 @@ def test_readme_proxy_errors_and_their_statuses_are_the_tables():
     assert documented == answers
 
 
-def test_readme_refusals_are_the_tables():
+def test_documented_refusals_are_the_tables():
     from sidecar.outcomes import BAD_REQUEST, REFUSALS
 
-    bullet = readme_bullet("- Requests refused before routing")
-    assert f"`x-retry-proxy-error: {BAD_REQUEST.code}`" in bullet
-    assert {int(s) for s in re.findall(r"\b(4\d\d)\b", bullet)} == set(REFUSALS)
+    text = bullet("headers.md", "- Requests refused before routing")
+    assert f"`x-retry-proxy-error: {BAD_REQUEST.code}`" in text
+    assert {int(s) for s in re.findall(r"\b(4\d\d)\b", text)} == set(REFUSALS)
 
 
-def test_readme_proxy_status_errors_are_the_tables():
+def test_documented_proxy_status_errors_are_the_tables():
     from sidecar.outcomes import REFUSALS, ROWS
 
-    bullet = readme_bullet("- Every response the sidecar made itself also carries")
-    named = set(re.findall(r"`([a-z]+(?:_[a-z]+)+)`", bullet))
+    text = bullet("headers.md", "- Every response the sidecar made itself also carries")
+    named = set(re.findall(r"`([a-z]+(?:_[a-z]+)+)`", text))
     table = {r.proxy_status for r in ROWS if r.proxy_status is not None}
     table |= {p for r in ROWS for p in r.precise} | set(REFUSALS.values())
     assert named == table
 
 
-def test_readme_attempt_outcomes_are_the_tables():
+def test_documented_attempt_outcomes_are_the_tables():
     from sidecar.core import LocalOverload
     from sidecar.outcomes import CANCELLED, OutcomeKind, label
 
-    text = (ROOT / "README.md").read_text().replace("\n", " ")
+    text = (DOCS / "observability.md").read_text().replace("\n", " ")
     m = re.search(r"`attempts_total\{route,outcome\}` \(outcome: status code or (.*?)\)", text)
     assert m is not None
     named = set(re.findall(r"`([a-z][a-z-]*)`", m.group(1)))
@@ -168,10 +172,11 @@ def test_readme_attempt_outcomes_are_the_tables():
     assert named == labels
 
 
-def test_what_the_readme_says_of_the_example_file_is_true():
+def test_what_the_docs_say_of_the_example_file_is_true():
     """Outside finding (issue 29): the README said the example file shows every key with its
     default, but it sets its own name, listen and routes. The keys the example sets are the
-    ones the README's sentence names, and every other top-level key parses to its default."""
+    ones the configuration reference's sentence names, and every other top-level key parses to
+    its default."""
     from dataclasses import MISSING
 
     from sidecar.config import schema
@@ -186,7 +191,7 @@ def test_what_the_readme_says_of_the_example_file_is_true():
         if e.default is not MISSING and getattr(example, e.attr) != e.default
     ]
     assert differ == set_by_example() == ["name", "listen", "routes"], differ
-    text = " ".join((ROOT / "README.md").read_text().split())
+    text = " ".join((DOCS / "configuration.md").read_text().split())
     said = re.search(r"The example `config/sidecar\.yaml` (.*?)\. ", text)
     assert said is not None
     claim = said.group(1)
