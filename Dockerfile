@@ -5,7 +5,7 @@
 # The build stage has a C compiler (the full image): the hot path is compiled with mypyc.
 FROM python:3.11-bookworm AS build
 WORKDIR /src
-COPY pyproject.toml setup.py README.md requirements.lock ./
+COPY pyproject.toml setup.py README.md requirements.lock requirements-otlp.lock ./
 COPY docker/install.sh docker/install.sh
 COPY sidecar ./sidecar
 # The same script the test suite runs in a fresh virtual environment.

@@ -11,7 +11,9 @@ build="${RETRY_SIDECAR_BUILD:-compiled}"
 # copy; in the test suite it holds the wheels the test extra's install just fetched.
 pip="$venv/bin/pip --disable-pip-version-check"
 python3 -m venv "$venv"
-$pip install -r "$src/requirements.lock"
+# The OTLP exporters too: a collector named by OTEL_EXPORTER_OTLP_ENDPOINT gets traces from the
+# image as it is, in either protocol.
+$pip install -r "$src/requirements.lock" -r "$src/requirements-otlp.lock"
 if [ "$build" = compiled ]; then
   $pip install "setuptools>=68" wheel "mypy==2.4.1"
   RETRY_SIDECAR_BUILD=compiled $pip install --no-build-isolation --no-deps "$src"

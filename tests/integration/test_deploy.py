@@ -100,6 +100,19 @@ def test_image_install_and_entry_point_in_a_fresh_venv(tmp_path):
         [str(venv / "bin" / "python"), "-c", "import redis.asyncio"], capture_output=True, env=clean
     )
     assert fleet.returncode == 0, fleet.stderr
+    # So are the OTLP exporters in both protocols and the B3 propagators (requirements-otlp.lock):
+    # a collector named by OTEL_EXPORTER_OTLP_ENDPOINT gets traces from the image as it is.
+    otlp = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import opentelemetry.exporter.otlp.proto.grpc.trace_exporter, "
+            "opentelemetry.exporter.otlp.proto.http.trace_exporter, opentelemetry.propagators.b3",
+        ],
+        capture_output=True,
+        env=clean,
+    )
+    assert otlp.returncode == 0, otlp.stderr
     if not os.path.exists(entry[0]):  # tini comes from Debian's package inside the image
         entry = entry[2:]
     # The image's default config, with ports and the DLQ path moved into this test's space.

@@ -31,6 +31,8 @@ def test_no_known_vulnerabilities_in_pinned_dependencies():
             exe,
             "-r",
             str(ROOT / "requirements.lock"),
+            "-r",
+            str(ROOT / "requirements-otlp.lock"),
             "--no-deps",
             "--disable-pip",
             "--progress-spinner",
