@@ -396,7 +396,8 @@ class Sidecar:
         self.client.close()
         await self.dlqs.close()
         await self.keys.close()
-        self.tracing.shutdown()
+        # The last spans get what is left of the drain, and at least a second.
+        self.tracing.shutdown(max(drain_ends - loop.time(), 1.0))
         log.info("stopped")
 
     def task_names(self) -> list[str]:

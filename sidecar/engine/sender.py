@@ -114,7 +114,7 @@ class AttemptSender:
         except BaseException as exc:
             if attempt_span is not None:
                 code = (
-                    exc.code
+                    exc.answer.name  # the outcome's name, as attempts_total{outcome} has it
                     if isinstance(exc, UpstreamError)
                     else outcomes.CANCELLED.name  # a hedge that lost, the client gone
                     if isinstance(exc, asyncio.CancelledError)

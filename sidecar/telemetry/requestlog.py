@@ -20,6 +20,7 @@ from sidecar.telemetry.events import (
     SequenceEnded,
 )
 from sidecar.telemetry.logs import TRACE, write_line
+from sidecar.telemetry.tracing import redacted_path
 
 
 class RequestLog:
@@ -45,7 +46,7 @@ class RequestLog:
         if not (self.log.isEnabledFor(logging.INFO) and self.on()):
             return
         # The query may hold secrets (tokens, signatures): never logged.
-        path = event.target.partition("?")[0]
+        path = redacted_path(event.target.partition("?")[0])
         # Formatted here as JsonFormatter would (its keys, in its order): the logging
         # machinery costs four times as much per line as the line itself.
         line = (

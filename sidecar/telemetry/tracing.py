@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -55,8 +56,38 @@ IDEMPOTENCY = "retry_sidecar.idempotency.result"
 # edge member, and only with a valid traceparent: engine/head.py), and passes ``baggage`` on as
 # received (it adds none).
 KEPT_AS_RECEIVED = frozenset({"tracestate", "baggage"})
+# The trace context headers of every propagator the sidecar offers (W3C, B3 single and multi).
+TRACE_CONTEXT_FIELDS = frozenset(
+    {
+        "traceparent",
+        "b3",
+        "x-b3-traceid",
+        "x-b3-spanid",
+        "x-b3-parentspanid",
+        "x-b3-sampled",
+        "x-b3-flags",
+    }
+)
 OTLP_ENDPOINTS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 OTLP_PROTOCOLS = ("OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+
+
+def otlp_timeout(env: Mapping[str, str]) -> float | None:
+    """``OTEL_EXPORTER_OTLP_(TRACES_)TIMEOUT`` in seconds. The specification says milliseconds
+    (10000 = 10 s), and so does every other SDK; the Python exporters read the number as
+    seconds, so a platform's usual 10000 would wait almost three hours. None: not set (or not a
+    number), the exporter's own default (10 s)."""
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"):
+        raw = env.get(name)
+        if raw:
+            try:
+                ms = float(raw)
+            except ValueError:
+                log.warning("%s=%r is not a number of milliseconds: ignored", name, raw)
+                return None
+            if ms > 0:
+                return ms / 1000.0
+    return None
 
 
 def correlate(span: Span) -> None:
@@ -67,14 +98,40 @@ def correlate(span: Span) -> None:
         TRACE.set((format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")))
 
 
+# Methods the semantic conventions know; any other is ``_OTHER`` (span names stay bounded).
+KNOWN_METHODS = frozenset(
+    {"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH", "QUERY"}
+)
+
+
+def redacted_path(path: str) -> str:
+    """``path`` with the value of each path parameter (``;jsessionid=...``) ``REDACTED``: a
+    session id in a path is as secret as one in a query. What spans and the access log show."""
+    if ";" not in path:
+        return path
+    return "/".join(_segment(s) for s in path.split("/"))
+
+
+def _segment(segment: str) -> str:
+    head, *params = segment.split(";")
+    return ";".join([head, *(p.partition("=")[0] + "=REDACTED" for p in params)])
+
+
 def redacted(target: str) -> str:
-    """``target`` with the value of each query parameter replaced by ``REDACTED`` (the semantic
-    conventions' advice for ``url.full``: query values may hold tokens and signatures)."""
+    """``target`` with its path parameters' values and each query parameter's value replaced by
+    ``REDACTED`` (the semantic conventions' advice for ``url.full``: query values may hold
+    tokens and signatures); a parameter without ``=`` (``?<token>``) is ``REDACTED`` whole."""
     path, sep, query = target.partition("?")
+    path = redacted_path(path)
     if not sep:
         return path
-    names = (p.partition("=")[0] for p in query.split("&") if p)
-    return path + "?" + "&".join(f"{n}=REDACTED" for n in names)
+    return path + "?" + "&".join(_parameter(p) for p in query.split("&"))
+
+
+def _parameter(item: str) -> str:
+    if "=" in item:
+        return item.partition("=")[0] + "=REDACTED"
+    return "REDACTED" if item else ""
 
 
 def _host_port(authority: str, default: int) -> tuple[str, int]:
@@ -105,8 +162,11 @@ class Tracing:
             propagator = get_global_textmap()  # OTEL_PROPAGATORS
         self._propagator = propagator
         fields = {f.lower() for f in propagator.fields} if propagator is not None else set()
-        # Incoming headers the propagators replace with each attempt's own.
-        self.replaced = frozenset(f.encode() for f in fields - KEPT_AS_RECEIVED)
+        # Incoming headers replaced with each attempt's own: the configured propagators' and
+        # every other trace context a caller may send, so that no attempt carries two parents
+        # (a caller's traceparent beside our b3).
+        replaced = fields | TRACE_CONTEXT_FIELDS if self.enabled else fields
+        self.replaced = frozenset(f.encode() for f in replaced - KEPT_AS_RECEIVED)
         # A traceparent goes upstream with each attempt (and with it our tracestate).
         self.w3c = "traceparent" in fields
 
@@ -144,13 +204,20 @@ class Tracing:
         resource = Resource.create({SERVICE_VERSION: __version__})
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
             resource = resource.merge(Resource({SERVICE_NAME: service_name}))
-        provider = TracerProvider(resource=resource)
+        # Shut down by the app within the drain (shutdown), never by an exit hook that waits
+        # for an unreachable collector as long as the exporter's timeout says.
+        provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         from opentelemetry.trace import NoOpTracer
 
         if isinstance(provider.get_tracer(__name__), NoOpTracer):  # OTEL_SDK_DISABLED=true
             return cls(None)  # before any exporter or its thread is made
-        for exporter in exporters.values():
-            provider.add_span_processor(BatchSpanProcessor(exporter()))
+        timeout = otlp_timeout(env)
+        for name, exporter in exporters.items():
+            if timeout and name.startswith("otlp"):  # both OTLP exporters take it, in seconds
+                made = exporter(timeout=timeout)  # type: ignore[call-arg]
+            else:
+                made = exporter()
+            provider.add_span_processor(BatchSpanProcessor(made))
         return cls(provider)
 
     def start_server(
@@ -166,10 +233,11 @@ class Tracing:
         assert self._tracer is not None and self._propagator is not None
         parent = self._propagator.extract(carrier=headers)
         host, port = _host_port(headers.get("Host", ""), 80)
+        known = method in KNOWN_METHODS
         attrs: dict[str, str | int] = {
-            "http.request.method": method,
+            "http.request.method": method if known else "_OTHER",
             "http.route": route,  # the route's name: see docs/observability.md
-            "url.path": target.partition("?")[0],
+            "url.path": redacted_path(target.partition("?")[0]),
             "url.scheme": "http",
             "client.address": peer,
             ROUTE: route,
@@ -177,11 +245,16 @@ class Tracing:
         if host:
             attrs["server.address"] = host
             attrs["server.port"] = port
+        if not known:
+            attrs["http.request.method_original"] = method
         agent = headers.get("User-Agent")
         if agent:
             attrs["user_agent.original"] = agent
         span = self._tracer.start_span(
-            f"{method} {route}", context=parent, kind=SpanKind.SERVER, attributes=attrs
+            f"{method if known else 'HTTP'} {route}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            attributes=attrs,
         )
         correlate(span)
         return span
@@ -203,20 +276,23 @@ class Tracing:
         assert self._tracer is not None
         name, ip, port = endpoint
         host, _ = _host_port(name, port)
+        known = method in KNOWN_METHODS
         attrs: dict[str, str | int | bool] = {
-            "http.request.method": method,
+            "http.request.method": method if known else "_OTHER",
             "server.address": host,
             "server.port": port,
             "network.peer.address": ip,
             "url.full": f"http://{name}{redacted(target)}",
             ATTEMPT: attempt,
         }
+        if not known:
+            attrs["http.request.method_original"] = method
         if attempt > 1:
             attrs["http.request.resend_count"] = attempt - 1
         if hedge:
             attrs[HEDGE] = True  # this attempt races a slower one still running
         return self._tracer.start_span(
-            method,
+            method if known else "HTTP",
             context=trace.set_span_in_context(server),
             kind=SpanKind.CLIENT,
             attributes=attrs,
@@ -280,6 +356,21 @@ class Tracing:
     def idempotency(span: Span, result: str) -> None:
         span.set_attribute(IDEMPOTENCY, result)
 
-    def shutdown(self) -> None:
-        if self.provider is not None:
-            self.provider.shutdown()
+    def shutdown(self, timeout: float) -> bool:
+        """Flush and stop the exporters, waiting at most ``timeout`` seconds (what is left of
+        the drain): an unreachable collector must not hold the process past it. The flush runs
+        in a daemon thread, which a process that has to go leaves behind. True if it finished."""
+        provider = self.provider
+        if provider is None:
+            return True
+        done = threading.Thread(target=provider.shutdown, name="otel-shutdown", daemon=True)
+        done.start()
+        done.join(max(0.0, timeout))
+        if done.is_alive():
+            log.warning(
+                "spans not yet exported were dropped: the collector did not take them within "
+                "the %.1fs left of the drain",
+                timeout,
+            )
+            return False
+        return True

@@ -6,6 +6,8 @@ decoding the ``opentelemetry-proto`` messages. The sidecar is configured by the 
 from __future__ import annotations
 
 import asyncio
+import signal
+import socket
 import threading
 from concurrent import futures
 from typing import Any
@@ -134,7 +136,7 @@ async def test_spans_by_the_conventions_reach_a_real_receiver(tmp_path, upstream
         OTEL_SERVICE_NAME="orders-edge",
         OTEL_RESOURCE_ATTRIBUTES="deployment.environment.name=test,team=payments",
         OTEL_EXPORTER_OTLP_HEADERS="x-tenant=acme",
-        OTEL_EXPORTER_OTLP_TIMEOUT="5",
+        OTEL_EXPORTER_OTLP_TIMEOUT="5000",  # milliseconds, as the specification says
     )
     proc = await run_sidecar(tmp_path, up.url, "", env)
     try:
@@ -187,8 +189,11 @@ async def test_spans_by_the_conventions_reach_a_real_receiver(tmp_path, upstream
 async def test_b3_propagation_and_a_sdk_turned_off(tmp_path, upstream_factory):
     got = Received()
     runner, endpoint = await http_receiver(got)
-    up = await upstream_factory(reply(200), reply(200))
+    up = await upstream_factory(reply(200), reply(200), reply(200))
     b3 = {"X-B3-TraceId": TRACE_ID, "X-B3-SpanId": PARENT_ID, "X-B3-Sampled": "1"}
+    # A caller's W3C context beside B3: with b3 propagators it is replaced too (dropped), so
+    # that no attempt carries two parents.
+    b3["traceparent"] = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
     try:
         proc = await run_sidecar(
             tmp_path, up.url, "", otel_env(endpoint, "http/protobuf", OTEL_PROPAGATORS="b3multi")
@@ -212,6 +217,32 @@ async def test_b3_propagation_and_a_sdk_turned_off(tmp_path, upstream_factory):
         # No W3C propagator: no traceparent of ours, so no tracestate either.
         assert seen.header("traceparent") is None and seen.header("tracestate") is None
 
+        # A method the conventions do not know is _OTHER (span names stay bounded), and a
+        # path parameter or a bare query item never reaches the spans in clear.
+        (tmp_path / "other").mkdir()
+        b3_env = otel_env(endpoint, "http/protobuf", OTEL_PROPAGATORS="b3multi")
+        proc = await run_sidecar(tmp_path / "other", up.url, "", b3_env)
+        try:
+            async with aiohttp.ClientSession() as s:
+                port = proc.port  # type: ignore[attr-defined]
+                url = f"http://127.0.0.1:{port}/b3;jsessionid=S3CRET?T0KEN"
+                async with s.request("PURGE", url) as resp:
+                    assert resp.status == 200
+            spans = await wait_spans(got, 4)
+        finally:
+            proc.terminate()
+        [other] = [s for _, s in spans if s.kind == SERVER and s.name != server_span.name]
+        [other_attempt] = [s for _, s in spans if s.kind == CLIENT and s.span_id != attempt.span_id]
+        assert (other.name, other_attempt.name) == ("HTTP orders", "HTTP")
+        for span in (other, other_attempt):
+            a = attrs(span.attributes)
+            assert a["http.request.method"] == "_OTHER"
+            assert a["http.request.method_original"] == "PURGE"
+            assert "S3CRET" not in str(a) and "T0KEN" not in str(a), a
+        assert attrs(other_attempt.attributes)["url.full"].endswith(
+            "/b3;jsessionid=REDACTED?REDACTED"
+        )
+
         # OTEL_SDK_DISABLED: nothing exported, the client's traceparent passed on untouched.
         before = len(got.spans())
         (tmp_path / "off").mkdir()
@@ -226,7 +257,7 @@ async def test_b3_propagation_and_a_sdk_turned_off(tmp_path, upstream_factory):
         finally:
             proc.terminate()
         assert len(got.spans()) == before
-        assert up.seen[1].header("traceparent") == INCOMING
+        assert up.seen[2].header("traceparent") == INCOMING
     finally:
         await runner.cleanup()
 
@@ -327,3 +358,30 @@ async def test_breaker_refusal_dlq_capture_and_idempotency_replay_in_the_spans(
     srv = attrs(refused.attributes)
     assert srv["error.type"] == "breaker-open" and srv["retry_sidecar.fate"] == "breaker-open"
     assert srv["retry_sidecar.attempts"] == 0
+
+
+async def test_a_collector_that_never_answers_does_not_hold_the_stop(tmp_path, upstream_factory):
+    """The last spans get what is left of the drain (and a second), never the exporter's own
+    timeout and retries: with OTEL_EXPORTER_OTLP_TIMEOUT at 60 s a stop used to take minutes
+    (a pod past its grace period is killed). The collector accepts and never answers."""
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)
+    endpoint = f"http://127.0.0.1:{hung.getsockname()[1]}"
+    up = await upstream_factory(reply(200))
+    env = otel_env(endpoint, "http/protobuf", OTEL_EXPORTER_OTLP_TIMEOUT="60000")
+    proc = await run_sidecar(tmp_path, up.url, "drain_timeout: 1s", env)
+    assert proc.proc is not None
+    try:
+        async with aiohttp.ClientSession() as s:
+            url = f"http://127.0.0.1:{proc.port}/x"  # type: ignore[attr-defined]
+            async with s.get(url) as resp:
+                assert resp.status == 200
+        await asyncio.sleep(0.3)  # the batch is handed to the hung collector
+        proc.proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proc.proc.wait, 45)
+        assert code == 0
+        assert "spans not yet exported were dropped" in proc.stderr()
+    finally:
+        proc.terminate()
+        hung.close()

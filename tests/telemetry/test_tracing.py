@@ -209,9 +209,28 @@ def test_url_full_keeps_query_names_and_redacts_their_values():
 
     assert redacted("/a/b") == "/a/b"
     assert redacted("/a?sig=abc&x=1") == "/a?sig=REDACTED&x=REDACTED"
-    assert redacted("/a?flag") == "/a?flag=REDACTED"
+    # a bare item may be the token itself (?<apikey>): redacted whole; the URL's shape kept
+    assert redacted("/a?flag") == "/a?REDACTED"
     assert redacted("/a?") == "/a?"
-    assert redacted("/a?x=1&&y=2") == "/a?x=REDACTED&y=REDACTED"
+    assert redacted("/a?x=1&&SECRET5") == "/a?x=REDACTED&&REDACTED"
+    # a path parameter holds sessions as a query does (;jsessionid=...)
+    assert redacted("/x;jsessionid=S3;v=2/y?k") == "/x;jsessionid=REDACTED;v=REDACTED/y?REDACTED"
+
+
+def test_unknown_methods_are_other_and_timeouts_are_milliseconds():
+    from sidecar.telemetry.tracing import KNOWN_METHODS, otlp_timeout, redacted_path
+
+    assert "GET" in KNOWN_METHODS and "XYZ123RANDOMMETHOD" not in KNOWN_METHODS
+    assert otlp_timeout({"OTEL_EXPORTER_OTLP_TIMEOUT": "10000"}) == 10.0
+    assert (
+        otlp_timeout(
+            {"OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "250", "OTEL_EXPORTER_OTLP_TIMEOUT": "9"}
+        )
+        == 0.25
+    )
+    assert otlp_timeout({"OTEL_EXPORTER_OTLP_TIMEOUT": "soon"}) is None
+    assert otlp_timeout({}) is None
+    assert redacted_path("/plain/path") == "/plain/path"
 
 
 def test_server_address_and_port_apart():
