@@ -13,6 +13,8 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,6 +60,7 @@ def config(p: tlspeers.Peers, port: int, admin: int) -> str:
             f"https://localhost:{ports['mtls']}",
             f"{{ca_file: {ca}, client_cert: {c.client.cert}, client_key: {c.client.key}}}",
         )
+        + route("noverify", f"https://localhost:{ports['expired']}", "{verify: false}")
         + route(
             "by-address",
             f"https://127.0.0.1:{ports['ok']}",
@@ -286,3 +289,37 @@ def test_sigterm_during_a_handshake(tmp_path: Path, world: World) -> None:
         proc.terminate()
     log = proc.stderr()
     assert "Unclosed" not in log and "was destroyed but it is pending" not in log, log[-2000:]
+
+
+def test_verify_false_is_warned_of_at_start_in_explain_and_on_the_status_page(world: World) -> None:
+    status, _, body = request(world.port, "GET", "/noverify/x")
+    assert status == 200 and body == b"expired\n"  # any certificate taken, as it says
+    assert "verify: false" in world.sidecar.stderr()
+    routes = {r["name"]: r for r in admin_json(world, "/status")["routes"]}  # type: ignore[attr-defined]
+    assert routes["noverify"]["tls_verify"] is False
+    assert "NOT VERIFIED" in routes["noverify"]["tls"]
+    assert routes["ok"]["tls_verify"] is True and routes["ok"]["tls"] == "verified"
+    _, _, page = request(world.admin, "GET", "/")
+    assert b"NOT VERIFIED" in page
+    out = subprocess.run(
+        [sys.executable, "-m", "sidecar", "explain", str(world.sidecar.config_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert f"tls: chain verified against {world.peers.certs.ca}, name localhost" in out
+    assert "tls: NOT VERIFIED (verify: false)" in out
+    assert f"client certificate {world.peers.certs.client.cert}" in out
+
+
+def test_the_client_certificate_subject_and_expiry_are_shown_and_exported(world: World) -> None:
+    routes = {r["name"]: r for r in admin_json(world, "/status")["routes"]}  # type: ignore[attr-defined]
+    mtls = routes["mtls"]
+    assert "O=trustme" in mtls["client_cert_subject"]
+    left = mtls["client_cert_not_after"] - time.time()
+    assert left > 14 * 86400
+    assert "client cert" in mtls["tls"] and "expires" in mtls["tls"]
+    assert routes["ok"]["client_cert_subject"] is None
+    gauge = metric(world, "retry_sidecar_tls_cert_expiry_seconds", use="route:mtls")
+    assert abs(gauge - left) < 60
