@@ -34,6 +34,12 @@ SERVERS = """
       proxy_set_header Connection "upgrade";
     }}
     location = /ok/503 {{ return 503 "down\\n"; }}
+    # a DLQ route's writes: 503 when sent, 201 when replayed (x-retry-replay)
+    location /dlq/ {{
+      if ($http_x_retry_replay) {{ return 201 "created\\n"; }}
+      return 503 "down\\n";
+    }}
+    location /idem/ {{ return 201 "made $request_id\\n"; }}
     location / {{ return 200 "ok sni=$ssl_server_name\\n"; }}
   }}
   server {{
