@@ -24,6 +24,7 @@ failure (no byte of the request was sent: retried for any method).
 from __future__ import annotations
 
 import logging
+import os
 import ssl
 import time
 from collections.abc import Callable
@@ -112,6 +113,7 @@ class RouteContext:
 
     def __init__(self, tls: RouteTls, report: Report) -> None:
         self.tls = tls
+        self.stamp = stamp(tls)  # its files as they were read
         self.ssl = client_context(tls)
         self._report = report
         self._targets: dict[str, TlsTarget] = {}
@@ -163,6 +165,18 @@ class RouteContext:
             log.warning("%s (%s)", exc, exc.code)
 
 
+def stamp(tls: RouteTls) -> tuple[tuple[int, int], ...]:
+    """The files of a section as they are now (a file rewritten has another stamp)."""
+    out = []
+    for path in (tls.ca_file, tls.client_cert, tls.client_key):
+        try:
+            st = os.stat(path) if path is not None else None
+        except OSError:
+            st = None
+        out.append((st.st_mtime_ns, st.st_size) if st is not None else (0, 0))
+    return tuple(out)
+
+
 class TlsContexts:
     """The contexts by ``tls:`` value, built when a config is applied (``sync``)."""
 
@@ -171,11 +185,15 @@ class TlsContexts:
         self._by_value: dict[RouteTls, RouteContext] = {}
 
     def sync(self, sections: list[RouteTls]) -> list[RouteContext]:
-        """Build the contexts of values not seen before (raises as ``client_context`` on a
-        file gone bad since it was checked; nothing is changed then); returns the contexts
-        no section uses any more, dropped."""
-        built = {t: self._by_value.get(t) or RouteContext(t, self.report) for t in sections}
-        gone = [c for t, c in self._by_value.items() if t not in built]
+        """Build the contexts of values not seen before, and of those whose files changed
+        on disk (a rotated CA bundle or client certificate, picked up by a reload); raises as
+        ``client_context`` on a file gone bad since it was checked, and nothing is changed
+        then. Returns the contexts no section uses any more (or replaced), dropped."""
+        built: dict[RouteTls, RouteContext] = {}
+        for t in sections:
+            c = self._by_value.get(t)
+            built[t] = c if c is not None and c.stamp == stamp(t) else RouteContext(t, self.report)
+        gone = [c for t, c in self._by_value.items() if built.get(t) is not c]
         self._by_value = built
         return gone
 
