@@ -9,6 +9,7 @@ whether the TLS session was resumed and the connection serial number (keep-alive
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 from dataclasses import dataclass, field
@@ -91,6 +92,10 @@ class Peers:
     proc: subprocess.Popen[bytes]
     silent: socket.socket  # accepts TCP (the kernel's backlog), never answers
     closed_port: int  # nothing listens there
+    # openssl s_server, TLS 1.3 only, wanting a client certificate: it checks it after the
+    # client's side of the handshake is done and refuses with an alert in place of an answer
+    s_server: subprocess.Popen[bytes] | None = None
+    s_server_port: int = 0
     seen: dict[str, int] = field(default_factory=dict)
 
     def log(self, name: str) -> list[str]:
@@ -107,6 +112,9 @@ class Peers:
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(10)
+        if self.s_server is not None:
+            self.s_server.terminate()
+            self.s_server.wait(10)
         self.silent.close()
 
 
@@ -137,4 +145,18 @@ def start(root: Path, ws_port: int = 1) -> Peers:
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(64)
-    return Peers(root, certs, ports, proc, silent, free_port())
+    peers = Peers(root, certs, ports, proc, silent, free_port())
+    if shutil.which("openssl") is not None:
+        port = free_port()
+        peers.s_server_port = port
+        cmd = ["openssl", "s_server", "-accept", f"127.0.0.1:{port}", "-tls1_3", "-www"]
+        cmd += ["-quiet", "-cert", certs.server.cert, "-key", certs.server.key]
+        cmd += ["-CAfile", certs.ca, "-Verify", "1"]
+        peers.s_server = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_port(port, peers.s_server, "openssl s_server")
+    return peers

@@ -60,6 +60,7 @@ def config(p: tlspeers.Peers, port: int, admin: int) -> str:
             f"https://localhost:{ports['mtls']}",
             f"{{ca_file: {ca}, client_cert: {c.client.cert}, client_key: {c.client.key}}}",
         )
+        + route("wants-cert", f"https://localhost:{p.s_server_port}")
         + route("noverify", f"https://localhost:{ports['expired']}", "{verify: false}")
         + route(
             "by-address",
@@ -132,6 +133,10 @@ FAILURES = [
     ("expired", "POST", 502, "tls-certificate", "tls_certificate_error", 1, "expired"),
     ("alert", "GET", 502, "tls-handshake", "tls_alert_received", 1, "reject"),
     ("plain", "GET", 502, "tls-handshake", "tls_protocol_error", 1, "plain"),
+    # TLS 1.3: the client certificate is asked for after the client's side of the handshake,
+    # the alert comes in place of the answer (openssl s_server -Verify 1)
+    ("wants-cert", "GET", 502, "tls-handshake", "tls_alert_received", 1, None),
+    ("wants-cert", "POST", 502, "tls-handshake", "tls_alert_received", 1, None),
     # transient: no byte of the request sent, so retried for any method (3 attempts)
     ("refused", "GET", 502, "connect-failure", "connection_refused", 3, None),
     ("refused", "POST", 502, "connect-failure", "connection_refused", 3, None),
