@@ -16,7 +16,12 @@ proxy to CPU 0 and the upstream and wrk to CPU 1, and measures, alternating A B 
 - CPU microseconds per request at the fixed rates;
 - RSS after load;
 - 1 MiB bodies streamed both ways (MB/s);
-- 10,000 idle keep-alive client connections (RSS per connection).
+- 10,000 idle keep-alive client connections (RSS per connection);
+- TLS to the upstream (docs/tls.md): the same upstream nginx also serves HTTPS (a trustme CA
+  and leaf made for the run); ``nginx-tls`` proxies to it with ``proxy_ssl_verify on`` and
+  keep-alive, ``sidecar-tls`` (the compiled build) through an ``https://`` route verified
+  against that CA. Their peak and CPU per request are in the same rotation, and compared with
+  nginx-tls and with the sidecar's own plaintext figures (aim: <= 1.3x).
 
 The floors relay GET only, so they skip the 1 MiB bodies ("-" in the table). It prints a
 table, the ratios retry-sidecar / nginx, and what share of the sidecar's CPU per request the
@@ -52,6 +57,9 @@ COMPILED = "sidecar-compiled"
 FLOOR_AIOHTTP = "floor-aiohttp"
 FLOOR_PROTOCOL = "floor-protocol"
 FLOORS = (FLOOR_AIOHTTP, FLOOR_PROTOCOL)
+NGINX_TLS = "nginx-tls"
+SIDECAR_TLS = "sidecar-tls"
+TLS_ARMS = (NGINX_TLS, SIDECAR_TLS)
 RATES = (500, 1000, 2000)
 PROXY_CPU = 0
 LOAD_CPU = 1
@@ -204,17 +212,58 @@ http {{
 """
 
 
-def nginx_upstream(d: Path, port: int) -> list[str]:
+def make_certs(d: Path) -> tuple[str, str, str]:
+    """A CA and a leaf for localhost / 127.0.0.1, made for this run: (ca, cert, key) files."""
+    import trustme
+
+    ca = trustme.CA()
+    leaf = ca.issue_cert("localhost", "127.0.0.1")
+    paths = (d / "ca.pem", d / "leaf.pem", d / "leaf.key")
+    ca.cert_pem.write_to_path(str(paths[0]))
+    paths[1].write_bytes(b"".join(p.bytes() for p in leaf.cert_chain_pems))
+    paths[2].write_bytes(leaf.private_key_pem.bytes())
+    return str(paths[0]), str(paths[1]), str(paths[2])
+
+
+def nginx_upstream(d: Path, port: int, tls_port: int, cert: str, key: str) -> list[str]:
+    """The upstream, plaintext on ``port`` and HTTPS on ``tls_port`` (same answers)."""
     (d / "www").mkdir(exist_ok=True)
     (d / "www" / "big").write_bytes(b"b" * BIG)
-    body = f"""
-  server {{
-    listen 127.0.0.1:{port} backlog=4096;
+    locations = f"""
     client_body_buffer_size 2m;
     location = /big {{ root {d}/www; error_page 405 =200 $uri; }}
-    location / {{ default_type text/plain; return 200 "{SMALL_BODY}"; }}
+    location / {{ default_type text/plain; return 200 "{SMALL_BODY}"; }}"""
+    body = f"""
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;{locations}
+  }}
+  server {{
+    listen 127.0.0.1:{tls_port} ssl backlog=4096;
+    ssl_certificate {cert}; ssl_certificate_key {key};
+    ssl_protocols TLSv1.2 TLSv1.3;
+    ssl_session_cache shared:up:10m;{locations}
   }}"""
     return nginx_command(d, "upstream", body)
+
+
+def nginx_tls_proxy(d: Path, port: int, up: int, ca: str) -> list[str]:
+    """nginx proxying to the HTTPS upstream, verified (proxy_ssl_verify on), keep-alive."""
+    body = f"""
+  upstream tls_up {{ server 127.0.0.1:{up}; keepalive 256; }}
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    location / {{
+      proxy_pass https://tls_up;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_ssl_verify on;
+      proxy_ssl_trusted_certificate {ca};
+      proxy_ssl_name localhost;
+      proxy_ssl_server_name on;
+      proxy_ssl_session_reuse on;
+    }}
+  }}"""
+    return nginx_command(d, "proxy-tls", body)
 
 
 def nginx_command(d: Path, name: str, body: str) -> list[str]:
@@ -260,9 +309,12 @@ backend be
     return ["haproxy", "-f", str(conf), "-db"]
 
 
-def sidecar(d: Path, port: int, admin: int, up: int, name: str) -> list[str]:
-    """retry-sidecar with the shipped defaults (one route to the upstream)."""
+def sidecar(d: Path, port: int, admin: int, up: int, name: str, ca: str | None = None) -> list[str]:
+    """retry-sidecar with the shipped defaults (one route to the upstream); ``ca``: to the
+    HTTPS upstream on ``up``, verified against it."""
     conf = d / f"{name}.yaml"
+    upstream = f"http://127.0.0.1:{up}" if ca is None else f"https://localhost:{up}"
+    tls = "" if ca is None else f"    tls: {{ca_file: {ca}}}\n"
     conf.write_text(f"""
 version: 1
 name: bench
@@ -270,8 +322,8 @@ listen: "127.0.0.1:{port}"
 admin: {{listen: "127.0.0.1:{admin}"}}
 routes:
   - name: bench
-    upstream: "http://127.0.0.1:{up}"
-""")
+    upstream: "{upstream}"
+{tls}""")
     return [sys.executable, "-m", "sidecar", "run", "--config", str(conf), "--log-level", LOG_LEVEL]
 
 
@@ -447,16 +499,19 @@ def main() -> int:
     d = Path(tempfile.mkdtemp(prefix="retry-sidecar-bench-"))
     (d / "fixed.lua").write_text(FIXED_RATE_LUA)
     (d / "big.lua").write_text(BIG_LUA)
-    up_port = free_port()
+    up_port, up_tls = free_port(), free_port()
+    ca, cert, key = make_certs(d)
     procs: list[Proc] = []
     res = Results()
     try:
         upstream = Proc("upstream", up_port)
         procs.append(upstream)
-        start_into(upstream, nginx_upstream(d, up_port), LOAD_CPU, d / "up.log")
+        start_into(upstream, nginx_upstream(d, up_port, up_tls, cert, key), LOAD_CPU, d / "up.log")
+        wait_port(up_tls)
         p_ng, p_ha = free_port(), free_port()
         p_sp, p_sc, a_sp, a_sc = free_port(), free_port(), free_port(), free_port()
         p_fa, p_fp = free_port(), free_port()
+        p_nt, p_st, a_st = free_port(), free_port(), free_port()
         pure, compiled = build_tree(d, False), build_tree(d, True)
         here = str(Path(__file__).resolve().parent.parent)
         proxies: list[Proc] = []
@@ -469,6 +524,8 @@ def main() -> int:
             (FLOOR_AIOHTTP, floor("aiohttp", p_fa, up_port), p_fa, compiled),
             (FLOOR_PROTOCOL, floor("protocol", p_fp, up_port), p_fp, compiled),
             *before_arms(d, args.before, up_port),
+            (NGINX_TLS, nginx_tls_proxy(d, p_nt, up_tls, ca), p_nt, None),
+            (SIDECAR_TLS, sidecar(d, p_st, a_st, up_tls, SIDECAR_TLS, ca), p_st, compiled),
         ):
             # Kept in procs as soon as it exists, so a later failure still stops it.
             px = Proc(name, port)
@@ -499,13 +556,15 @@ def main() -> int:
                     res.add(name, "rss_mb", proc.rss_mb())
             print(f"round {r + 1}/{rounds}: 1 MiB bodies", flush=True)
             for name, port, proc in targets:
-                if name in FLOORS:
-                    continue  # GET only
+                if name in FLOORS or name in TLS_ARMS:
+                    continue  # GET only; the TLS arms: peak and CPU per request only
                 res.add(name, "big_mb_s", big_bodies(port, args.duration, d / "big.lua"))
                 if proc:
                     res.add(name, "rss_after_big_mb", proc.rss_mb())
         print(f"idle connections: {args.idle} per proxy", flush=True)
         for p in proxies:
+            if p.name in TLS_ARMS:
+                continue  # the client side is plaintext: the same as their plaintext arms
             before = p.rss_mb()
             socks = asyncio.run(idle_connections(p.port, args.idle))
             time.sleep(1.0)
@@ -540,7 +599,7 @@ def before_arms(d: Path, before: str | None, up: int) -> list[tuple[str, list[st
 
 def report(res: Results) -> None:
     before = [n for n in (f"before-{PURE}", f"before-{COMPILED}") if n in res.rows]
-    names = ["direct", "nginx", "haproxy", PURE, COMPILED, *FLOORS, *before]
+    names = ["direct", "nginx", "haproxy", PURE, COMPILED, *FLOORS, *before, *TLS_ARMS]
     m = res.mean
 
     def added(name: str, key: str) -> float:
@@ -595,6 +654,29 @@ def report(res: Results) -> None:
     row("1 MiB bodies MB/s", lambda n: f"{m(n, 'big_mb_s') / m(ng, 'big_mb_s'):.2f}x", "")
     row("RSS under load", lambda n: f"{m(n, 'rss_mb'):.1f} MB", "(no regression: 47 MB)")
     row("per idle connection", lambda n: f"{m(n, 'idle_kb_per_conn'):.1f} KB", "(10 KB)")
+
+    print("\nTLS to the upstream, keep-alive (sidecar-tls: the compiled build, verified):")
+    for label, fn in (
+        (
+            "peak 64 conns / nginx-tls",
+            lambda: m(SIDECAR_TLS, "peak_c64") / m(NGINX_TLS, "peak_c64"),
+        ),
+        (
+            "peak 64 conns / own plaintext",
+            lambda: m(SIDECAR_TLS, "peak_c64") / m(COMPILED, "peak_c64"),
+        ),
+        ("nginx-tls peak / nginx plaintext", lambda: m(NGINX_TLS, "peak_c64") / m(ng, "peak_c64")),
+    ):
+        print(f"{label:<40}{fn():>{w}.2f}x")
+    for rate in (1000, 2000):
+        k = f"r{rate}_cpu_us"
+        print(
+            f"{f'CPU/request at {rate}/s':<40}"
+            f"{m(SIDECAR_TLS, k) / m(NGINX_TLS, k):>{w}.2f}x vs nginx-tls"
+            f"{m(SIDECAR_TLS, k) / m(COMPILED, k):>{w}.2f}x vs own plaintext (<= 1.3x)"
+            f"   ({m(SIDECAR_TLS, k):.0f} us; nginx-tls {m(NGINX_TLS, k):.0f} us, "
+            f"nginx {m(ng, k):.0f} us)"
+        )
 
     print("\nthe floors' share of the sidecar's CPU per request (bench/floor.py):")
     print(f"{'':<34}{PURE:>{w}}{COMPILED:>{w}}")

@@ -52,6 +52,7 @@ from sidecar.telemetry.requestlog import RequestLog
 from sidecar.telemetry.tracing import Tracing
 from sidecar.upstream.client import UpstreamClient
 from sidecar.upstream.pool import PoolSettings
+from sidecar.upstream.tls import HANDSHAKE_RESULTS, TlsContexts, tls_sections
 
 if TYPE_CHECKING:
     # The DLQ's store and replayer (and sqlite3 or redis with them) are imported when a DLQ
@@ -94,7 +95,15 @@ class Sidecar:
         apply_file(self.kill, config, self.clock.monotonic(), self.clock.wall())
         self.life = Lifecycle()
         self.kill.on_set(self.life.nudge_sleepers)
-        self.client = UpstreamClient(pool or config.upstream_pool)
+        self.client = UpstreamClient(
+            pool or config.upstream_pool,
+            TlsContexts(
+                lambda result: self.metrics.tls_handshakes.inc(
+                    (("side", "upstream"), ("result", result))
+                )
+            ),
+        )
+        self.client.sync_tls(tls_sections(config))
         self.tracing = tracing or Tracing(None)
         self.deps = ProxyDeps(
             store=self.store,
@@ -199,6 +208,11 @@ class Sidecar:
 
     def _declare_routes(self, config: Config) -> None:
         self.metrics.declare_routes((r.name, r.dlq.enabled) for r in config.routes)
+        if tls_sections(config):
+            for result in HANDSHAKE_RESULTS:
+                self.metrics.tls_handshakes.values.setdefault(
+                    (("side", "upstream"), ("result", result)), 0.0
+                )
         self.metrics.declare_idempotency(
             (r.name for r in config.routes if r.idempotency.enabled),
             (o.value for o in IdempotencyOutcome),
@@ -229,6 +243,7 @@ class Sidecar:
         try:
             self._apply(config)
         except Exception:
+            self.client.sync_tls(tls_sections(old))
             self.states.sync(old)
             self.store.restore(old, loaded)
             self.kill.restore_file(file_switches)
@@ -240,6 +255,7 @@ class Sidecar:
         """Route state is kept by name; the DLQ's bounds apply to the next record;
         drain_timeout to the next drain. A reload that is the first to enable a DLQ route
         opens the DLQ file (the one the process started with)."""
+        self.client.sync_tls(tls_sections(config))  # first: a file gone bad changes nothing
         self.states.sync(config)
         self._declare_routes(config)
         self.store.swap(config)

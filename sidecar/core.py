@@ -137,6 +137,26 @@ class BadResponse(UpstreamError):
     kind = OutcomeKind.BAD_RESPONSE
 
 
+class TlsCertificateError(UpstreamError):
+    """The upstream's TLS certificate was refused (unknown CA, wrong name, expired): the
+    handshake stopped before a byte of the request was sent. ``reason`` is OpenSSL's
+    verify message, for the log."""
+
+    answer = outcomes.TLS_CERTIFICATE
+    kind = OutcomeKind.TLS_CERTIFICATE
+    reached_upstream = False
+
+
+class TlsHandshakeError(UpstreamError):
+    """The upstream ended the TLS handshake with an alert (it wanted a client certificate,
+    refused ours or our versions), or answered something that is no TLS. Nothing of the
+    request was read."""
+
+    answer = outcomes.TLS_HANDSHAKE
+    kind = OutcomeKind.TLS_HANDSHAKE
+    reached_upstream = False
+
+
 class BodyTimeout(UpstreamError):
     """The upstream sent no body bytes for the stream idle timeout (after the head)."""
 

@@ -119,6 +119,28 @@ def _idempotency_line(route: Route) -> str:
     )
 
 
+def _tls_line(route: Route) -> str | None:
+    """What the route's https:// upstreams are verified against, and what it presents."""
+    names = sorted({route.tls.server_name or u.host for u in route.upstreams if u.tls})
+    if not names:
+        return None
+    t = route.tls
+    if not t.verify:
+        line = (
+            f"  tls: NOT VERIFIED (verify: false): any certificate is taken for "
+            f"{', '.join(names)}; TLS {t.min_version}+"
+        )
+    else:
+        store = t.ca_file if t.ca_file is not None else "the system's trust store"
+        line = (
+            f"  tls: chain verified against {store}, name {', '.join(names)} (SNI and "
+            f"certificate); TLS {t.min_version}+"
+        )
+    if t.client_cert is not None:
+        line += f"; client certificate {t.client_cert} (mutual TLS)"
+    return line
+
+
 def explain_route(route: Route) -> list[str]:
     p = route.retry
     wc = worst_case(route)
@@ -137,6 +159,9 @@ def explain_route(route: Route) -> list[str]:
         f"  worst-case wall clock:            {wc.wall_clock:.3f}s "
         f"(every attempt slow, every wait at its longest; ends as '{wc.wall_clock_fate.value}')",
     ]
+    tls = _tls_line(route)
+    if tls is not None:
+        lines.append(tls)
     lines.extend(_storm_lines(route))
     with_budget = [budget_multiplier(route, wc.attempts, r) for r in RATES]
     steady = "x1.00 once the throttle has seen it" if route.throttle.enabled else ""

@@ -33,6 +33,10 @@ class OutcomeKind(Enum):
     # An answer that cannot be relayed as HTTP (bad status, transfer coding, head size): a
     # property of the response, never retried.
     BAD_RESPONSE = auto()
+    # The TLS handshake with an ``https://`` upstream failed for good: its certificate refused,
+    # or the upstream sent an alert. Nothing of the request was read; never retried.
+    TLS_CERTIFICATE = auto()
+    TLS_HANDSHAKE = auto()
 
 
 class Effect(Enum):
@@ -129,6 +133,36 @@ BAD_RESPONSE: Final = OutcomeRow(
         "http_response_header_section_size",
         "http_upgrade_failed",  # also a 101 nobody asked for
     ),
+)
+# --- the TLS handshake with an https:// upstream failed for good -------------------------------
+# Never retried: the next try meets the same certificate (the same refusal). Not a failure for
+# the breaker for "down": the upstream is up and answering, it is the trust between the two that
+# is wrong, and an open breaker would only hide this precise answer behind breaker-open. A
+# failure of the endpoint's passive health, as Envoy's outlier detection counts a TLS failure as
+# a local-origin connect failure: of a name's several addresses, one with a bad certificate is
+# ejected and the others take the traffic.
+TLS_CERTIFICATE: Final = OutcomeRow(
+    name="tls-certificate",
+    status=502,
+    proxy_status="tls_certificate_error",
+    message="the upstream's TLS certificate was refused",
+    breaker=NOT_COUNTED,
+    throttle=NOT_COUNTED,
+    limit=NOT_COUNTED,
+    endpoint=FAILURE,
+    kind=OutcomeKind.TLS_CERTIFICATE,
+)
+TLS_HANDSHAKE: Final = OutcomeRow(
+    name="tls-handshake",
+    status=502,
+    proxy_status="tls_alert_received",
+    message="the TLS handshake with the upstream failed",
+    breaker=NOT_COUNTED,
+    throttle=NOT_COUNTED,
+    limit=NOT_COUNTED,
+    endpoint=FAILURE,
+    kind=OutcomeKind.TLS_HANDSHAKE,
+    precise=("tls_protocol_error",),  # no alert: the upstream does not speak TLS (or not ours)
 )
 # --- the sidecar had no room: the upstream was not asked --------------------------------------
 OVERLOADED: Final = OutcomeRow(
@@ -241,6 +275,8 @@ ROWS: Final[tuple[OutcomeRow, ...]] = (
     RESET,
     PER_TRY_TIMEOUT,
     BAD_RESPONSE,
+    TLS_CERTIFICATE,
+    TLS_HANDSHAKE,
     OVERLOADED,
     POOL_EXHAUSTED,
     CONCURRENCY_LIMIT,

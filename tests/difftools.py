@@ -650,11 +650,13 @@ class RecordingUpstream:
     """An aiohttp upstream in a thread of its own (the suite's clients are blocking): it
     records every request and answers 200 with the request's size (503 under /dlq/)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: Any = None) -> None:
         import threading
 
         self.seen: list[Received] = []
         self.port = 0
+        self.tls = tls  # an ssl.SSLContext: the same app also over TLS, on tls_port
+        self.tls_port = 0
         self.raw_port = 0  # bodiless requests, heads taken as bytes (targets over 0x7F)
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -718,6 +720,10 @@ class RecordingUpstream:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         self.port = int(runner.addresses[0][1])
+        if self.tls is not None:
+            tls_site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=self.tls)
+            await tls_site.start()
+            self.tls_port = int(runner.addresses[1][1])
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         self._ready.set()
@@ -808,6 +814,35 @@ NGINX_PROXY_CONF = """\
     }}
   }}
 """
+
+
+NGINX_TLS_PROXY_CONF = """\
+  client_max_body_size 16m;
+  keepalive_timeout 30s;
+  upstream tls_up {{ server 127.0.0.1:{upstream}; keepalive 16; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass https://tls_up;
+      proxy_http_version 1.1;
+      proxy_set_header Host $http_host;
+      proxy_set_header Connection "";
+      proxy_ssl_verify on;
+      proxy_ssl_trusted_certificate {ca};
+      proxy_ssl_name localhost;
+      proxy_ssl_server_name on;
+    }}
+  }}
+"""
+
+
+def start_nginx_tls_proxy(port: int, upstream: int, ca: str, root: Path) -> subprocess.Popen[bytes]:
+    """nginx in the sidecar's place in front of an HTTPS ``upstream``: ``proxy_pass https://``
+    with ``proxy_ssl_verify on`` against ``ca``, the name ``localhost``."""
+    root.mkdir(parents=True, exist_ok=True)
+    proc = run_nginx(root, NGINX_TLS_PROXY_CONF.format(port=port, upstream=upstream, ca=ca))
+    wait_port(port, proc, "nginx TLS proxy")
+    return proc
 
 
 def start_nginx_proxy(

@@ -86,7 +86,19 @@ def wire_gauges(
             return {(): 0.0}  # wanted, but its file could not be opened (yet)
         return {}
 
+    def route_certs() -> dict[Labels, float]:
+        """Seconds left of each route's client certificate (the listener's series are the
+        listener's own: kept as they come)."""
+        now = clock.wall()
+        return {
+            (("use", f"route:{f.name}"),): f.client_cert_not_after - now
+            for f in figures.at(clock.monotonic())
+            if f.client_cert_not_after is not None
+        }
+
     m = metrics
+    before = m.tls_cert_expiry.collect
+    m.tls_cert_expiry.collect = lambda: {**(before() if before else {}), **route_certs()}
     m.throttle_probability.collect = per_route(lambda f: f.throttle_probability)
     m.concurrency_limit.collect = per_route(lambda f: float(f.concurrency_limit))
     m.concurrency_in_flight.collect = per_route(lambda f: float(f.concurrency_in_flight))

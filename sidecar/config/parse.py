@@ -172,7 +172,23 @@ class _Parser:
                 routes.append(Route(**values))
                 self.dead_guard(routes[-1], raw, path)
                 self.slow_try(routes[-1], raw, path)
+                self.unverified(routes[-1], raw, path)
         return routes
+
+    def unverified(self, route: Route, raw: dict[str, Any], path: Path) -> None:
+        """A warning, at the line of the ``verify: false`` in force, for a route whose
+        ``https://`` upstreams are not verified."""
+        if route.tls.verify or not any(u.tls for u in route.upstreams):
+            return
+        tls = raw.get("tls")
+        here = isinstance(tls, dict) and "verify" in tls
+        where = (*path, "tls", "verify")
+        line = self.located.line(where if here else ("defaults", "tls", "verify"))
+        why = (
+            "verify: false: the https:// upstream's certificate is not verified, so anyone on "
+            "the path can answer for it; give tls.ca_file (or server_name) instead"
+        )
+        self.warnings.append(ConfigIssue(line, path_str(where), why))
 
     def slow_try(self, route: Route, raw: dict[str, Any], path: Path) -> None:
         """A warning, at the line of the per_try_timeout in force (the route's, or the one

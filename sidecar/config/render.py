@@ -40,6 +40,7 @@ SECTION_PAGES = {
     "Operating it": "operating.md",
     "In an incident": "incidents.md",
     "Upgrades (WebSocket)": "headers.md#upgrades-websocket",
+    "TLS": "tls.md",
 }
 _CITED = re.compile(r'\b([Ss]ee) "([^"]+)"')
 

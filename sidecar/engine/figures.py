@@ -16,10 +16,12 @@ of the status page and of the CLI's table, under that title (``COLUMNS``): decla
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from sidecar.config.model import Config, Route
+from sidecar.config.tls import CertInfo, cert_info, utc_text
 from sidecar.engine.routestate import RouteState, RouteStates
 from sidecar.retry.breaker import GAUGE, State
 from sidecar.retry.budget import Budget
@@ -54,6 +56,12 @@ class RouteFigures:
     concurrency_in_flight: int  # attempts holding a ticket of the concurrency limit
     in_flight: int  # sequences holding a bulkhead slot
     max_concurrent: int  # bulkhead slots
+    # https:// upstreams: None for a route without one; False: verify: false (a warning)
+    tls_verify: bool | None = None
+    client_cert_subject: str | None = None  # the client certificate presented (mutual TLS)
+    client_cert_not_after: float | None = None  # its expiry, epoch seconds
+    # The three above in words, a column of the page and the CLI's table.
+    tls: str | None = field(default=None, metadata=column("TLS"))
 
     def as_json(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -82,6 +90,29 @@ def per_try_timeout(st: RouteState, route: Route, now: float) -> float:
     return st.latency.timeout(now, a.percentile, a.multiplier, a.min, a.max)
 
 
+_CERTS: dict[str, tuple[tuple[int, int], CertInfo | None]] = {}
+
+
+def client_cert(path: str | None) -> CertInfo | None:
+    """What the client certificate file says, read again only when the file changed."""
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    stamp = (st.st_mtime_ns, st.st_size)
+    known = _CERTS.get(path)
+    if known is not None and known[0] == stamp:
+        return known[1]
+    try:
+        info: CertInfo | None = cert_info(path)
+    except ValueError:
+        info = None
+    _CERTS[path] = (stamp, info)
+    return info
+
+
 def figures_of(st: RouteState, route: Route, now: float) -> RouteFigures:
     b = st.breaker
     next_probe = None
@@ -90,6 +121,7 @@ def figures_of(st: RouteState, route: Route, now: float) -> RouteFigures:
     seqs, fails = b.counts(now)
     left, requests, retries = allowed(st.budget, now)
     healthy = st.endpoints.healthy(now)
+    cert = client_cert(route.tls.client_cert) if st.tls_hosts else None
     return RouteFigures(
         name=route.name,
         breaker=b.state.value,
@@ -112,7 +144,18 @@ def figures_of(st: RouteState, route: Route, now: float) -> RouteFigures:
         concurrency_in_flight=st.limiter.in_flight,
         in_flight=st.bulkhead.in_flight,
         max_concurrent=st.bulkhead.policy.max_concurrent,
+        tls_verify=route.tls.verify if st.tls_hosts else None,
+        client_cert_subject=cert.subject if cert is not None else None,
+        client_cert_not_after=cert.not_after if cert is not None else None,
+        tls=tls_text(route, cert) if st.tls_hosts else None,
     )
+
+
+def tls_text(route: Route, cert: CertInfo | None) -> str:
+    said = "verified" if route.tls.verify else "NOT VERIFIED (verify: false)"
+    if cert is not None:
+        said += f"; client cert {cert.subject}, expires {utc_text(cert.not_after)}"
+    return said
 
 
 class RouteFigureSource:

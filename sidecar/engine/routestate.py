@@ -23,6 +23,12 @@ def hedge_budget_policy(h: HedgePolicy) -> BudgetPolicy:
     return BudgetPolicy(ratio=h.ratio, min_per_second=h.min_per_second, window=h.window)
 
 
+def tls_hosts(route: Route) -> dict[str, str]:
+    """The URL host of each ``https://`` upstream by its authority (an endpoint's name): the
+    name its connections send as SNI and verify, whatever address it resolves to."""
+    return {u.authority: u.host for u in route.upstreams if u.tls}
+
+
 def configured_endpoints(route: Route) -> list[tuple[str, int, str]]:
     """The route's endpoints as written (host names not resolved yet)."""
     return [(u.host, u.port, u.authority) for u in route.upstreams]
@@ -39,6 +45,7 @@ class RouteState:
         "limiter",
         "name",
         "throttle",
+        "tls_hosts",
         "upstreams",
     )
 
@@ -59,6 +66,7 @@ class RouteState:
         self.latency = AttemptLatency(LATENCY_WINDOW)
         self.bulkhead = Bulkhead(route.bulkhead)
         self.upstreams = route.upstreams
+        self.tls_hosts = tls_hosts(route)
         self.endpoints = EndpointSet(configured_endpoints(route))
 
     def admit(self, now: float) -> Admission:
@@ -82,6 +90,7 @@ class RouteState:
         if route.upstreams != self.upstreams:
             # Other endpoints: as written until the resolver has looked the names up.
             self.upstreams = route.upstreams
+            self.tls_hosts = tls_hosts(route)
             self.endpoints.update(configured_endpoints(route))
 
 

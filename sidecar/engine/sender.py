@@ -23,6 +23,7 @@ from sidecar.retry.deadline import Deadline
 from sidecar.retry.endpoints import Endpoint
 from sidecar.telemetry.tracing import Tracing
 from sidecar.upstream.client import Body, UpstreamClient, UpstreamResponse
+from sidecar.upstream.tls import RouteContext, TlsTarget
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -40,6 +41,8 @@ class AttemptSender:
         "_method",
         "_span",
         "_target",
+        "_tls",
+        "_tls_hosts",
         "_tracing",
         "_upgrade",
     )
@@ -58,6 +61,8 @@ class AttemptSender:
         deadline: Deadline,
         upgrade: bool = False,
         target: str = "",
+        tls: RouteContext | None = None,
+        tls_hosts: dict[str, str] | None = None,
     ) -> None:
         self._client = client
         self._clock = clock
@@ -71,6 +76,9 @@ class AttemptSender:
         self._deadline = deadline
         self._upgrade = upgrade  # the request asks for a protocol switch (a tunnel)
         self._target = target  # for the attempt's span (url.full)
+        # The route's TLS context, and the URL host of its https:// endpoints by name.
+        self._tls = tls
+        self._tls_hosts = tls_hosts
 
     def time_left(self) -> float:
         """Called once a streamed body has been sent: the deadline starts from there."""
@@ -99,6 +107,11 @@ class AttemptSender:
                 target=self._target,
             )
             head += tracing.inject(attempt_span)
+        tls: TlsTarget | None = None
+        if self._tls is not None and self._tls_hosts:
+            host = self._tls_hosts.get(endpoint.name)
+            if host is not None:
+                tls = self._tls.target(host)
         try:
             up = await self._client.request(
                 endpoint.host,
@@ -110,6 +123,7 @@ class AttemptSender:
                 chunked=self._chunked,
                 time_left=self.time_left,
                 upgrade=self._upgrade,
+                tls=tls,
             )
         except BaseException as exc:
             if attempt_span is not None:

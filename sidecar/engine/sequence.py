@@ -265,6 +265,8 @@ class Sequence:
             deadline=ex.deadline,
             upgrade=ex.upgrade,
             target=ex.target,
+            tls=deps.client.tls.get(route.tls) if self._state.tls_hosts else None,
+            tls_hosts=self._state.tls_hosts,
         )
         method = ex.method
         killed = self._killed

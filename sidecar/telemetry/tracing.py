@@ -213,11 +213,9 @@ class Tracing:
             return cls(None)  # before any exporter or its thread is made
         timeout = otlp_timeout(env)
         for name, exporter in exporters.items():
-            if timeout and name.startswith("otlp"):  # both OTLP exporters take it, in seconds
-                made = exporter(timeout=timeout)  # type: ignore[call-arg]
-            else:
-                made = exporter()
-            provider.add_span_processor(BatchSpanProcessor(made))
+            # both OTLP exporters take it, in seconds
+            given = {"timeout": timeout} if timeout and name.startswith("otlp") else {}
+            provider.add_span_processor(BatchSpanProcessor(exporter(**given)))
         return cls(provider)
 
     def start_server(

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
+from sidecar.config.tls import RouteTls
 from sidecar.core import ConnectFailure, NoTimeLeft, UpstreamError, UpstreamReset
 from sidecar.upstream.connection import Connection
 from sidecar.upstream.pool import Pool, PoolSettings, PoolStats
 from sidecar.upstream.states import Req
+from sidecar.upstream.tls import TlsContexts, TlsTarget
 from sidecar.upstream.upload import send_stream
 
 Headers = list[tuple[bytes, bytes]]
@@ -171,21 +173,43 @@ class UpstreamResponse:
             self._pool.release(self._conn)
 
 
-class UpstreamClient:
-    def __init__(self, settings: PoolSettings | None = None) -> None:
-        self.settings = settings or PoolSettings()
-        self._pools: dict[tuple[str, int], Pool] = {}
+PoolKey = tuple[str, int, TlsTarget | None]
 
-    def pool(self, host: str, port: int) -> Pool:
-        key = (host, port)
+
+class UpstreamClient:
+    def __init__(
+        self, settings: PoolSettings | None = None, tls: TlsContexts | None = None
+    ) -> None:
+        self.settings = settings or PoolSettings()
+        # The client contexts of https:// upstreams, by the route's tls: value (``sync_tls``).
+        self.tls = tls or TlsContexts()
+        # A pool per endpoint, and per TLS identity for an https:// one.
+        self._pools: dict[PoolKey, Pool] = {}
+
+    def pool(self, host: str, port: int, tls: TlsTarget | None = None) -> Pool:
+        key = (host, port, tls)
         p = self._pools.get(key)
         if p is None:
-            p = Pool(asyncio.get_running_loop(), host, port, self.settings)
+            p = Pool(asyncio.get_running_loop(), host, port, self.settings, tls)
             self._pools[key] = p
         return p
 
     def stats(self) -> dict[str, PoolStats]:
-        return {f"{h}:{p}": pool.stats() for (h, p), pool in self._pools.items()}
+        return {
+            f"{h}:{p}" if t is None else f"{h}:{p} tls {t.server_name}": pool.stats()
+            for (h, p, t), pool in self._pools.items()
+        }
+
+    def sync_tls(self, sections: list[RouteTls]) -> None:
+        """The contexts of a config being applied: new ones built (raises on a file gone bad:
+        nothing changed), the pools of contexts no route uses any more closed (their busy
+        connections close when given back)."""
+        gone = set(self.tls.sync(sections))
+        for key, pool in list(self._pools.items()):
+            t = key[2]
+            if t is not None and t.context in gone:
+                pool.close()
+                del self._pools[key]
 
     async def request(
         self,
@@ -199,6 +223,7 @@ class UpstreamClient:
         chunked: bool = False,
         time_left: Callable[[], float] | None = None,
         upgrade: bool = False,
+        tls: TlsTarget | None = None,
     ) -> UpstreamResponse:
         """Send ``head`` (request line and headers, ending in a blank line) and ``body``.
 
@@ -210,8 +235,10 @@ class UpstreamClient:
         its answer is returned and the connection is not reused. The request is sent once: a
         failure is raised as an UpstreamError for the retry engine to judge, never resent here.
         ``upgrade``: the request asks for a protocol switch, and a 101 is an answer to it.
+        ``tls``: an https:// endpoint, spoken to over TLS with that identity (the handshake
+        is part of connecting: its refusal is raised as a TLS error, nothing sent).
         """
-        pool = self.pool(host, port)
+        pool = self.pool(host, port, tls)
         # The pool's loop: asyncio.get_running_loop() costs a getpid() system call per call
         # on Python 3.11.
         loop = pool.loop

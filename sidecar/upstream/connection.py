@@ -34,6 +34,7 @@ from sidecar.upstream.responsehead import (
     read_fields,
 )
 from sidecar.upstream.states import ConnState, Link, Req, Resp
+from sidecar.upstream.tls import TlsTarget, alert_after_handshake
 
 HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024
@@ -68,16 +69,22 @@ class Connection(asyncio.Protocol):
         "key",
         "proxy_error",
         "retry_after",
+        "session_pending",
         "state",
         "status",
+        "tls",
         "transport",
         "tunnel_bytes",
         "upgrade",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, key: tuple[str, int]) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, key: tuple[str, int], tls: TlsTarget | None = None
+    ) -> None:
         self._loop = loop
         self.key = key
+        self.tls = tls  # over TLS: its identity; the session is kept after the first exchange
+        self.session_pending = tls is not None
         self.transport: asyncio.Transport | None = None
         self.state = ConnState()
         self._parser: Any = None
@@ -196,7 +203,10 @@ class Connection(asyncio.Protocol):
             else:
                 self._fail(UpstreamReset("upstream closed the connection mid-body"))
         elif resp is Resp.AWAITING_HEAD and self.error is None:
-            self._fail(UpstreamReset("upstream closed the connection before a response"))
+            refused = None
+            if self.session_pending and self.tls is not None:  # the first exchange over TLS
+                refused = alert_after_handshake(exc, self.tls)
+            self._fail(refused or UpstreamReset("upstream closed the connection before a response"))
         self.state.to_link(Link.CLOSED)
         self._wake()
         self._wake_drain(UpstreamReset("upstream closed while sending"))

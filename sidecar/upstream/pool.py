@@ -1,4 +1,5 @@
-"""A bounded keep-alive pool of upstream connections for one (host, port).
+"""A bounded keep-alive pool of upstream connections for one (host, port), and for an
+``https://`` endpoint one TLS identity (the route's context and the server name: ``tls.TlsTarget``).
 
 ``max_connections`` bounds idle + busy + connecting connections. When all are busy a caller
 waits at most ``wait_timeout`` (separate from the connect timeout) and then gets PoolExhausted.
@@ -9,12 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from collections import deque
 from dataclasses import dataclass
 
+from sidecar import outcomes
 from sidecar.config.model import UpstreamPool
 from sidecar.core import ConnectFailure, NoTimeLeft, PoolExhausted, connect_error_type
 from sidecar.upstream.connection import Connection
+from sidecar.upstream.tls import OK, TlsTarget, handshake_error
 
 # The pool's settings are the config's ``upstream_pool`` section itself.
 PoolSettings = UpstreamPool
@@ -40,13 +44,19 @@ class Pool:
     connection that went bad before it ran closes it and connects in its slot."""
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, host: str, port: int, settings: PoolSettings
+        self,
+        loop: asyncio.AbstractEventLoop,
+        host: str,
+        port: int,
+        settings: PoolSettings,
+        tls: TlsTarget | None = None,
     ) -> None:
         self._loop = loop
         self.loop = loop  # read by the client on every request (no get_running_loop call)
         self.host = host
         self.port = port
         self.endpoint = f"{host}:{port}"  # the access log's upstream
+        self.tls = tls  # an https:// endpoint: the TLS identity its connections have
         self.settings = settings
         self._idle: list[Connection] = []
         self._total = 0  # idle + busy + connecting + granted
@@ -152,6 +162,9 @@ class Pool:
         timeout = min(timeout, self.settings.connect_timeout)
         if timeout <= 0:
             raise NoTimeLeft("no time left to connect")  # nothing was sent: not a failure
+        tls = self.tls
+        if tls is not None:
+            return await self._connect_tls(tls, timeout)
         try:
             async with asyncio.timeout(timeout):
                 _, conn = await self._loop.create_connection(
@@ -167,9 +180,43 @@ class Pool:
             ) from None
         return conn
 
+    async def _connect_tls(self, tls: TlsTarget, timeout: float) -> Connection:
+        """Connect and handshake, both within ``timeout``; SNI and the name verified are the
+        target's name, never the address connected to. Each handshake is counted by result."""
+        where = f"{tls.server_name} ({self.host}:{self.port})"
+        try:
+            async with asyncio.timeout(timeout):
+                _, conn = await self._loop.create_connection(
+                    lambda: Connection(self._loop, (self.host, self.port), tls),
+                    self.host,
+                    self.port,
+                    ssl=tls.ssl,
+                    server_hostname=tls.server_name,
+                    ssl_handshake_timeout=timeout,
+                )
+        except TimeoutError:
+            tls.report(outcomes.CONNECT_FAILURE.name)
+            raise ConnectFailure(f"connect to {where} timed out", "connection_timeout") from None
+        except (OSError, socket.gaierror) as exc:
+            refused = handshake_error(exc, where) if isinstance(exc, ssl.SSLError) else None
+            if refused is not None:
+                tls.report(refused.code, refused)
+                raise refused from None
+            tls.report(outcomes.CONNECT_FAILURE.name)
+            raise ConnectFailure(
+                f"connect to {where} failed: {exc!r}", connect_error_type(exc)
+            ) from None
+        tls.report(OK)
+        return conn
+
     def release(self, conn: Connection) -> None:
         """Give a connection back: kept if its exchange ended cleanly (handed straight to the
         head waiter, else idle), else closed and its slot handed on."""
+        tls = conn.tls
+        if tls is not None and conn.session_pending and conn.transport is not None:
+            # After its first exchange: a TLS 1.3 server's ticket has come by now.
+            conn.session_pending = False
+            tls.keep_session(conn.transport.get_extra_info("ssl_object"))
         if not self._closed and conn.reusable():
             fut = self._next_waiter()
             if fut is not None:
