@@ -623,3 +623,23 @@ async def test_a_broken_new_pair_is_refused_counted_and_the_old_one_keeps_servin
         assert await asyncio.to_thread(served_cert, port, certs) == leaf_sha256(
             str(certs.dir / "other.pem")
         )
+
+
+async def test_the_tls_reload_task_is_named_listed_and_cancelled_on_stop(
+    certs: CertSet,
+) -> None:
+    from sidecar.app import Sidecar
+    from sidecar.config.parse import parse_text
+
+    sc = Sidecar(
+        parse_text(
+            'version: 1\nlisten: "127.0.0.1:0"\nadmin: {listen: "127.0.0.1:0"}\n'
+            f"server_tls: {{{tls_keys(certs.server)}}}\n"
+            "routes:\n  - name: app\n    upstream: http://127.0.0.1:9\n"
+        )
+    )
+    await sc.start()
+    assert "tls-reload" in sc.task_names()
+    task = next(t for t in asyncio.all_tasks() if t.get_name() == "tls-reload")
+    await sc.stop()
+    assert task.cancelled() and sc.task_names() == []
