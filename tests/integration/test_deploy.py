@@ -660,5 +660,5 @@ def test_tls_values_mount_the_listener_secret_and_route_files_and_set_server_tls
 
 
 def test_values_schema_refuses_server_tls_in_the_policy():
-    with pytest.raises(Exception, match="server_tls|not"):
+    with pytest.raises(Exception, match=r"server_tls|not"):
         render({"sidecar": {"policy": {"server_tls": {"cert_file": "/x"}}}})
