@@ -5,7 +5,9 @@
 
 Installs what it needs (nginx-light, haproxy, wrk from Debian's packages) if missing, starts an
 upstream nginx (~100-byte replies, keep-alive), nginx as proxy, HAProxy as proxy, retry-sidecar
-(shipped defaults, pure and mypyc-compiled builds side by side; tracing off) and the two floor
+(shipped defaults, pure and mypyc-compiled builds side by side; tracing off), nginx and the
+compiled sidecar terminating TLS (``nginx-tls``, ``sidecar-tls``: a certificate made for the
+run, wrk over https with keep-alive) and the two floor
 proxies of bench/floor.py (``floor-aiohttp``: aiohttp's low-level server plus the sidecar's
 upstream client, nothing else; ``floor-protocol``: the same client behind a plain
 asyncio.Protocol with httptools; both run the compiled build's upstream client), pins every
@@ -52,6 +54,11 @@ COMPILED = "sidecar-compiled"
 FLOOR_AIOHTTP = "floor-aiohttp"
 FLOOR_PROTOCOL = "floor-protocol"
 FLOORS = (FLOOR_AIOHTTP, FLOOR_PROTOCOL)
+# The TLS listener: nginx terminating TLS to the same upstream, and the compiled sidecar with
+# server_tls; wrk speaks https and keeps its connections, so handshakes are amortised.
+NGINX_TLS = "nginx-tls"
+SIDECAR_TLS = "sidecar-tls"
+TLS_ARMS = (NGINX_TLS, SIDECAR_TLS)
 RATES = (500, 1000, 2000)
 PROXY_CPU = 0
 LOAD_CPU = 1
@@ -224,18 +231,24 @@ def nginx_command(d: Path, name: str, body: str) -> list[str]:
     return ["nginx", "-p", str(d), "-c", str(conf), "-e", str(d / f"{name}.err")]
 
 
-def nginx_proxy(d: Path, port: int, up: int) -> list[str]:
+def nginx_proxy(d: Path, port: int, up: int, tls: tuple[str, str] | None = None) -> list[str]:
+    listen = f"listen 127.0.0.1:{port} backlog=4096;"
+    if tls is not None:  # TLS terminated here, as the sidecar's TLS listener does
+        listen = (
+            f"listen 127.0.0.1:{port} ssl backlog=4096;\n    ssl_certificate {tls[0]};\n"
+            f"    ssl_certificate_key {tls[1]};\n    ssl_protocols TLSv1.2 TLSv1.3;"
+        )
     body = f"""
   upstream up {{ server 127.0.0.1:{up}; keepalive 256; }}
   server {{
-    listen 127.0.0.1:{port} backlog=4096;
+    {listen}
     location / {{
       proxy_pass http://up;
       proxy_http_version 1.1;
       proxy_set_header Connection "";
     }}
   }}"""
-    return nginx_command(d, "proxy", body)
+    return nginx_command(d, "proxy-tls" if tls else "proxy", body)
 
 
 def haproxy(d: Path, port: int, up: int) -> list[str]:
@@ -260,19 +273,42 @@ backend be
     return ["haproxy", "-f", str(conf), "-db"]
 
 
-def sidecar(d: Path, port: int, admin: int, up: int, name: str) -> list[str]:
-    """retry-sidecar with the shipped defaults (one route to the upstream)."""
+def sidecar(
+    d: Path, port: int, admin: int, up: int, name: str, tls: tuple[str, str] | None = None
+) -> list[str]:
+    """retry-sidecar with the shipped defaults (one route to the upstream); ``tls``: its
+    listener over TLS with that certificate and key."""
     conf = d / f"{name}.yaml"
+    server_tls = f"server_tls: {{cert_file: {tls[0]}, key_file: {tls[1]}}}" if tls else ""
     conf.write_text(f"""
 version: 1
 name: bench
 listen: "127.0.0.1:{port}"
 admin: {{listen: "127.0.0.1:{admin}"}}
+{server_tls}
 routes:
   - name: bench
     upstream: "http://127.0.0.1:{up}"
 """)
     return [sys.executable, "-m", "sidecar", "run", "--config", str(conf), "--log-level", LOG_LEVEL]
+
+
+def make_cert(d: Path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 made for the run (trustme; wrk does not verify it)."""
+    import trustme
+
+    leaf = trustme.CA().issue_cert("127.0.0.1", "localhost")
+    cert, key = d / "tls.crt", d / "tls.key"
+    cert.write_bytes(b"".join(p.bytes() for p in leaf.cert_chain_pems))
+    key.write_bytes(leaf.private_key_pem.bytes())
+    return str(cert), str(key)
+
+
+def url(port: int, path: str = "/") -> str:
+    return f"{'https' if port in TLS_PORTS else 'http'}://127.0.0.1:{port}{path}"
+
+
+TLS_PORTS: set[int] = set()  # the ports of the TLS arms
 
 
 def floor(kind: str, port: int, up: int) -> list[str]:
@@ -347,7 +383,7 @@ def wrk(args: list[str], env: dict[str, str] | None = None) -> str:
 
 
 def peak(port: int, conns: int, duration: float) -> float:
-    out = wrk(["-t1", f"-c{conns}", f"-d{int(duration)}s", f"http://127.0.0.1:{port}/"])
+    out = wrk(["-t1", f"-c{conns}", f"-d{int(duration)}s", url(port)])
     m = re.search(r"Requests/sec:\s+([\d.]+)", out)
     errs = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     if errs:
@@ -364,7 +400,7 @@ def fixed_rate(port: int, rate: int, duration: float, script: Path) -> dict[str,
             f"-d{int(duration)}s",
             "-s",
             str(script),
-            f"http://127.0.0.1:{port}/",
+            url(port),
         ],
         env={"RATE": str(rate), "CONNS": str(conns)},
     )
@@ -379,9 +415,7 @@ def fixed_rate(port: int, rate: int, duration: float, script: Path) -> dict[str,
 
 
 def big_bodies(port: int, duration: float, script: Path) -> float:
-    out = wrk(
-        ["-t1", "-c8", f"-d{int(duration)}s", "-s", str(script), f"http://127.0.0.1:{port}/big"]
-    )
+    out = wrk(["-t1", "-c8", f"-d{int(duration)}s", "-s", str(script), url(port, "/big")])
     reqs = float(re.search(r"^REQS (\d+)$", out, re.M).group(1))  # type: ignore[union-attr]
     return reqs * 2 * BIG / duration / 1e6  # MB/s, request and response bodies together
 
@@ -432,6 +466,12 @@ def main() -> int:
     ap.add_argument(
         "--log-level", default="warning", help="the sidecars' (info writes the access log)"
     )
+    ap.add_argument(
+        "--arms",
+        default="",
+        help="only these proxies (comma-separated names, e.g. nginx,nginx-tls,sidecar-compiled,"
+        "sidecar-tls); direct is always measured",
+    )
     args = ap.parse_args()
     global LOG_LEVEL
     LOG_LEVEL = args.log_level
@@ -457,19 +497,28 @@ def main() -> int:
         p_ng, p_ha = free_port(), free_port()
         p_sp, p_sc, a_sp, a_sc = free_port(), free_port(), free_port(), free_port()
         p_fa, p_fp = free_port(), free_port()
-        pure, compiled = build_tree(d, False), build_tree(d, True)
+        arms = set(args.arms.split(",")) if args.arms else None
+        pure = build_tree(d, False) if arms is None or PURE in arms else d
+        compiled = build_tree(d, True)
         here = str(Path(__file__).resolve().parent.parent)
+        cert = make_cert(d)
+        p_nt, p_st, a_st = free_port(), free_port(), free_port()
+        TLS_PORTS.update((p_nt, p_st))
         proxies: list[Proc] = []
         for name, cmd, port, cwd in (
             ("nginx", nginx_proxy(d, p_ng, up_port), p_ng, None),
+            (NGINX_TLS, nginx_proxy(d, p_nt, up_port, cert), p_nt, None),
             ("haproxy", haproxy(d, p_ha, up_port), p_ha, None),
             (PURE, sidecar(d, p_sp, a_sp, up_port, PURE), p_sp, pure),
             (COMPILED, sidecar(d, p_sc, a_sc, up_port, COMPILED), p_sc, compiled),
+            (SIDECAR_TLS, sidecar(d, p_st, a_st, up_port, SIDECAR_TLS, cert), p_st, compiled),
             # The floors' upstream client is the compiled one: the lowest the floor can be.
             (FLOOR_AIOHTTP, floor("aiohttp", p_fa, up_port), p_fa, compiled),
             (FLOOR_PROTOCOL, floor("protocol", p_fp, up_port), p_fp, compiled),
             *before_arms(d, args.before, up_port),
         ):
+            if arms is not None and name not in arms:
+                continue
             # Kept in procs as soon as it exists, so a later failure still stops it.
             px = Proc(name, port)
             procs.append(px)
@@ -505,7 +554,9 @@ def main() -> int:
                 if proc:
                     res.add(name, "rss_after_big_mb", proc.rss_mb())
         print(f"idle connections: {args.idle} per proxy", flush=True)
-        for p in proxies:
+        for p in proxies if args.idle else []:
+            if p.name in TLS_ARMS:
+                continue  # idle_connections speaks plaintext
             before = p.rss_mb()
             socks = asyncio.run(idle_connections(p.port, args.idle))
             time.sleep(1.0)
@@ -540,7 +591,8 @@ def before_arms(d: Path, before: str | None, up: int) -> list[tuple[str, list[st
 
 def report(res: Results) -> None:
     before = [n for n in (f"before-{PURE}", f"before-{COMPILED}") if n in res.rows]
-    names = ["direct", "nginx", "haproxy", PURE, COMPILED, *FLOORS, *before]
+    names = ["direct", "nginx", "haproxy", PURE, COMPILED, *FLOORS, *TLS_ARMS, *before]
+    names = [n for n in names if n in res.rows]
     m = res.mean
 
     def added(name: str, key: str) -> float:
@@ -567,7 +619,10 @@ def report(res: Results) -> None:
         cells = [f"{m(n, key):.1f}" if key in res.rows.get(n, {}) else "-" for n in names]
         print(f"{label:<34}" + "".join(f"{c:>{w}}" for c in cells))
 
+    tls_report(res, w)
     ng = "nginx"
+    if PURE not in res.rows:
+        return
     print("\nratios to nginx in this run (targets in brackets):")
     print(f"{'':<34}{PURE:>{w}}{COMPILED:>{w}}")
 
@@ -611,6 +666,27 @@ def report(res: Results) -> None:
                 f"{(m(FLOOR_AIOHTTP, f'r{r}_cpu_us') - m(FLOOR_PROTOCOL, f'r{r}_cpu_us')) / m(n, f'r{r}_cpu_us'):.2f}x"
             ),
             "((floor-aiohttp - floor-protocol) / sidecar)",
+        )
+
+
+def tls_report(res: Results, w: int) -> None:
+    """The TLS listener beside the plaintext one: sidecar-tls / sidecar-compiled (aim: CPU per
+    request <= 1.3x) and sidecar-tls / nginx-tls, same run."""
+    if SIDECAR_TLS not in res.rows:
+        return
+    m = res.mean
+    print("\nthe TLS listener (keep-alive, wrk over https):")
+    print(f"{'':<34}{'/ sidecar plain':>{w}}{'/ nginx-tls':>{w}}")
+    for label, key in (("peak, 64 conns", "peak_c64"), ("peak, 16 conns", "peak_c16")):
+        cells = [f"{m(SIDECAR_TLS, key) / m(o, key):.3f}x" for o in (COMPILED, NGINX_TLS)]
+        print(f"{label:<34}" + "".join(f"{c:>{w}}" for c in cells))
+    for rate in (1000, 2000):
+        key = f"r{rate}_cpu_us"
+        cells = [f"{m(SIDECAR_TLS, key) / m(o, key):.2f}x" for o in (COMPILED, NGINX_TLS)]
+        print(
+            f"{f'CPU per request at {rate}/s':<34}"
+            + "".join(f"{c:>{w}}" for c in cells)
+            + f"   (<= 1.3x plain; {m(SIDECAR_TLS, key):.0f} us vs {m(COMPILED, key):.0f} us)"
         )
 
 
