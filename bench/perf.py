@@ -21,7 +21,10 @@ proxy to CPU 0 and the upstream and wrk to CPU 1, and measures, alternating A B 
   and leaf made for the run); ``nginx-tls`` proxies to it with ``proxy_ssl_verify on`` and
   keep-alive, ``sidecar-tls`` (the compiled build) through an ``https://`` route verified
   against that CA. Their peak and CPU per request are in the same rotation, and compared with
-  nginx-tls and with the sidecar's own plaintext figures (aim: <= 1.3x).
+  nginx-tls and with the sidecar's own plaintext figures (aim: <= 1.3x);
+- the TLS listener: ``nginx-tls-listener`` and ``sidecar-tls-listener`` (the compiled build
+  with ``server_tls``) terminate TLS in front of the plaintext upstream, with wrk over https
+  and keep-alive; compared with the sidecar's plaintext row and with nginx (aim: <= 1.3x).
 
 The floors relay GET only, so they skip the 1 MiB bodies ("-" in the table). It prints a
 table, the ratios retry-sidecar / nginx, and what share of the sidecar's CPU per request the
@@ -59,7 +62,11 @@ FLOOR_PROTOCOL = "floor-protocol"
 FLOORS = (FLOOR_AIOHTTP, FLOOR_PROTOCOL)
 NGINX_TLS = "nginx-tls"
 SIDECAR_TLS = "sidecar-tls"
-TLS_ARMS = (NGINX_TLS, SIDECAR_TLS)
+# The TLS listener: nginx terminating TLS to the same plaintext upstream, and the compiled
+# sidecar with server_tls; wrk speaks https and keeps its connections (handshakes amortised).
+NGINX_TLS_IN = "nginx-tls-listener"
+SIDECAR_TLS_IN = "sidecar-tls-listener"
+TLS_ARMS = (NGINX_TLS, SIDECAR_TLS, NGINX_TLS_IN, SIDECAR_TLS_IN)
 RATES = (500, 1000, 2000)
 PROXY_CPU = 0
 LOAD_CPU = 1
@@ -273,18 +280,24 @@ def nginx_command(d: Path, name: str, body: str) -> list[str]:
     return ["nginx", "-p", str(d), "-c", str(conf), "-e", str(d / f"{name}.err")]
 
 
-def nginx_proxy(d: Path, port: int, up: int) -> list[str]:
+def nginx_proxy(d: Path, port: int, up: int, tls: tuple[str, str] | None = None) -> list[str]:
+    listen = f"listen 127.0.0.1:{port} backlog=4096;"
+    if tls is not None:  # TLS terminated here, as the sidecar's TLS listener does
+        listen = (
+            f"listen 127.0.0.1:{port} ssl backlog=4096;\n    ssl_certificate {tls[0]};\n"
+            f"    ssl_certificate_key {tls[1]};\n    ssl_protocols TLSv1.2 TLSv1.3;"
+        )
     body = f"""
   upstream up {{ server 127.0.0.1:{up}; keepalive 256; }}
   server {{
-    listen 127.0.0.1:{port} backlog=4096;
+    {listen}
     location / {{
       proxy_pass http://up;
       proxy_http_version 1.1;
       proxy_set_header Connection "";
     }}
   }}"""
-    return nginx_command(d, "proxy", body)
+    return nginx_command(d, "proxy-tls-listener" if tls else "proxy", body)
 
 
 def haproxy(d: Path, port: int, up: int) -> list[str]:
@@ -309,10 +322,23 @@ backend be
     return ["haproxy", "-f", str(conf), "-db"]
 
 
-def sidecar(d: Path, port: int, admin: int, up: int, name: str, ca: str | None = None) -> list[str]:
+def sidecar(
+    d: Path,
+    port: int,
+    admin: int,
+    up: int,
+    name: str,
+    ca: str | None = None,
+    *,
+    listener: tuple[str, str] | None = None,
+) -> list[str]:
     """retry-sidecar with the shipped defaults (one route to the upstream); ``ca``: to the
-    HTTPS upstream on ``up``, verified against it."""
+    HTTPS upstream on ``up``, verified against it; ``listener``: its own listener over TLS with
+    that certificate and key."""
     conf = d / f"{name}.yaml"
+    server_tls = (
+        f"server_tls: {{cert_file: {listener[0]}, key_file: {listener[1]}}}" if listener else ""
+    )
     upstream = f"http://127.0.0.1:{up}" if ca is None else f"https://localhost:{up}"
     tls = "" if ca is None else f"    tls: {{ca_file: {ca}}}\n"
     conf.write_text(f"""
@@ -320,11 +346,19 @@ version: 1
 name: bench
 listen: "127.0.0.1:{port}"
 admin: {{listen: "127.0.0.1:{admin}"}}
+{server_tls}
 routes:
   - name: bench
     upstream: "{upstream}"
 {tls}""")
     return [sys.executable, "-m", "sidecar", "run", "--config", str(conf), "--log-level", LOG_LEVEL]
+
+
+def url(port: int, path: str = "/") -> str:
+    return f"{'https' if port in TLS_PORTS else 'http'}://127.0.0.1:{port}{path}"
+
+
+TLS_PORTS: set[int] = set()  # the ports of the TLS listener arms (wrk speaks https to them)
 
 
 def floor(kind: str, port: int, up: int) -> list[str]:
@@ -399,7 +433,7 @@ def wrk(args: list[str], env: dict[str, str] | None = None) -> str:
 
 
 def peak(port: int, conns: int, duration: float) -> float:
-    out = wrk(["-t1", f"-c{conns}", f"-d{int(duration)}s", f"http://127.0.0.1:{port}/"])
+    out = wrk(["-t1", f"-c{conns}", f"-d{int(duration)}s", url(port)])
     m = re.search(r"Requests/sec:\s+([\d.]+)", out)
     errs = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     if errs:
@@ -416,7 +450,7 @@ def fixed_rate(port: int, rate: int, duration: float, script: Path) -> dict[str,
             f"-d{int(duration)}s",
             "-s",
             str(script),
-            f"http://127.0.0.1:{port}/",
+            url(port),
         ],
         env={"RATE": str(rate), "CONNS": str(conns)},
     )
@@ -431,9 +465,7 @@ def fixed_rate(port: int, rate: int, duration: float, script: Path) -> dict[str,
 
 
 def big_bodies(port: int, duration: float, script: Path) -> float:
-    out = wrk(
-        ["-t1", "-c8", f"-d{int(duration)}s", "-s", str(script), f"http://127.0.0.1:{port}/big"]
-    )
+    out = wrk(["-t1", "-c8", f"-d{int(duration)}s", "-s", str(script), url(port, "/big")])
     reqs = float(re.search(r"^REQS (\d+)$", out, re.M).group(1))  # type: ignore[union-attr]
     return reqs * 2 * BIG / duration / 1e6  # MB/s, request and response bodies together
 
@@ -484,6 +516,12 @@ def main() -> int:
     ap.add_argument(
         "--log-level", default="warning", help="the sidecars' (info writes the access log)"
     )
+    ap.add_argument(
+        "--arms",
+        default="",
+        help="only these proxies (comma-separated names, e.g. nginx,sidecar-compiled,"
+        "nginx-tls-listener,sidecar-tls-listener); direct is always measured",
+    )
     args = ap.parse_args()
     global LOG_LEVEL
     LOG_LEVEL = args.log_level
@@ -512,7 +550,11 @@ def main() -> int:
         p_sp, p_sc, a_sp, a_sc = free_port(), free_port(), free_port(), free_port()
         p_fa, p_fp = free_port(), free_port()
         p_nt, p_st, a_st = free_port(), free_port(), free_port()
-        pure, compiled = build_tree(d, False), build_tree(d, True)
+        p_ni, p_si, a_si = free_port(), free_port(), free_port()
+        TLS_PORTS.update((p_ni, p_si))
+        arms = set(args.arms.split(",")) if args.arms else None
+        pure = build_tree(d, False) if arms is None or PURE in arms else d
+        compiled = build_tree(d, True)
         here = str(Path(__file__).resolve().parent.parent)
         proxies: list[Proc] = []
         for name, cmd, port, cwd in (
@@ -526,7 +568,16 @@ def main() -> int:
             *before_arms(d, args.before, up_port),
             (NGINX_TLS, nginx_tls_proxy(d, p_nt, up_tls, ca), p_nt, None),
             (SIDECAR_TLS, sidecar(d, p_st, a_st, up_tls, SIDECAR_TLS, ca), p_st, compiled),
+            (NGINX_TLS_IN, nginx_proxy(d, p_ni, up_port, (cert, key)), p_ni, None),
+            (
+                SIDECAR_TLS_IN,
+                sidecar(d, p_si, a_si, up_port, SIDECAR_TLS_IN, listener=(cert, key)),
+                p_si,
+                compiled,
+            ),
         ):
+            if arms is not None and name not in arms:
+                continue
             # Kept in procs as soon as it exists, so a later failure still stops it.
             px = Proc(name, port)
             procs.append(px)
@@ -600,6 +651,7 @@ def before_arms(d: Path, before: str | None, up: int) -> list[tuple[str, list[st
 def report(res: Results) -> None:
     before = [n for n in (f"before-{PURE}", f"before-{COMPILED}") if n in res.rows]
     names = ["direct", "nginx", "haproxy", PURE, COMPILED, *FLOORS, *before, *TLS_ARMS]
+    names = [n for n in names if n in res.rows]  # --arms measures some of them
     m = res.mean
 
     def added(name: str, key: str) -> float:
@@ -626,7 +678,10 @@ def report(res: Results) -> None:
         cells = [f"{m(n, key):.1f}" if key in res.rows.get(n, {}) else "-" for n in names]
         print(f"{label:<34}" + "".join(f"{c:>{w}}" for c in cells))
 
+    listener_report(res, w)
     ng = "nginx"
+    if not {PURE, COMPILED, ng, SIDECAR_TLS, NGINX_TLS, *FLOORS} <= set(res.rows):
+        return  # --arms: the rows below need every arm
     print("\nratios to nginx in this run (targets in brackets):")
     print(f"{'':<34}{PURE:>{w}}{COMPILED:>{w}}")
 
@@ -693,6 +748,26 @@ def report(res: Results) -> None:
                 f"{(m(FLOOR_AIOHTTP, f'r{r}_cpu_us') - m(FLOOR_PROTOCOL, f'r{r}_cpu_us')) / m(n, f'r{r}_cpu_us'):.2f}x"
             ),
             "((floor-aiohttp - floor-protocol) / sidecar)",
+        )
+
+
+def listener_report(res: Results, w: int) -> None:
+    """The TLS listener beside the plaintext one: sidecar-tls-listener / sidecar-compiled (aim:
+    CPU per request <= 1.3x) and / nginx-tls-listener, same run."""
+    if not {SIDECAR_TLS_IN, NGINX_TLS_IN, COMPILED} <= set(res.rows):
+        return
+    m = res.mean
+    print("\nthe TLS listener (keep-alive, wrk over https):")
+    print(f"{'':<34}{'/ sidecar plain':>{w}}{'/ nginx-tls-listener':>{w + 4}}")
+    for label, key in (("peak, 64 conns", "peak_c64"), ("peak, 16 conns", "peak_c16")):
+        cells = [f"{m(SIDECAR_TLS_IN, key) / m(o, key):.3f}x" for o in (COMPILED, NGINX_TLS_IN)]
+        print(f"{label:<34}{cells[0]:>{w}}{cells[1]:>{w + 4}}")
+    for rate in (1000, 2000):
+        key = f"r{rate}_cpu_us"
+        cells = [f"{m(SIDECAR_TLS_IN, key) / m(o, key):.2f}x" for o in (COMPILED, NGINX_TLS_IN)]
+        print(
+            f"{f'CPU per request at {rate}/s':<34}{cells[0]:>{w}}{cells[1]:>{w + 4}}"
+            f"   (<= 1.3x plain; {m(SIDECAR_TLS_IN, key):.0f} us vs {m(COMPILED, key):.0f} us)"
         )
 
 

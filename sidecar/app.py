@@ -40,10 +40,12 @@ from sidecar.idempotency.outcome import IdempotencyOutcome
 from sidecar.idempotency.prune import prune_forever
 from sidecar.jsonapi import ExtraRoute
 from sidecar.lifecycle import Lifecycle
+from sidecar.proxy.certreload import RELOAD_RESULTS, CertReloader
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.handler import ProxyHandler
 from sidecar.proxy.runner import DrainingRunner
 from sidecar.proxy.server import SidecarServer
+from sidecar.proxy.tlslisten import RESULTS, SwitchingContext, TlsSite, listener_reports
 from sidecar.proxy.tunnel import Tunnels
 from sidecar.retry.breaker import State
 from sidecar.telemetry.events import BreakerTransitioned, EventSink, Fanout
@@ -146,6 +148,7 @@ class Sidecar:
             recreated=lambda: self.metrics.dlq_file_recreated.inc(()),
             links=self.fleet_links,
         )
+        self.certs: CertReloader | None = None  # the TLS listener's pair, when it has one
         self._proxy_server: SidecarServer | None = None
         self._proxy_runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
@@ -177,6 +180,9 @@ class Sidecar:
             dlq=DlqFigures(lambda: self.dlqs.store, self.dlqs.location, lambda: self.dlqs.warning),
             fleet=self.fleet_links,
             idempotency_warning=lambda: self.keys.warning,
+            tls_listener=lambda wall: (
+                None if self.certs is None else self.certs.certs.as_json(wall)
+            ),
             started_mono=self.clock.monotonic(),
             started_wall=self.clock.wall(),
         )
@@ -304,7 +310,19 @@ class Sidecar:
         )
         runner = DrainingRunner(server, lambda: self.store.current.drain_timeout)
         await runner.setup()
-        site = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_address=True)
+        tls = self._listener_tls(config)
+        site = (
+            web.TCPSite(runner, config.listen.host, config.listen.port, reuse_address=True)
+            if tls is None
+            else TlsSite(
+                runner,
+                config.listen.host,
+                config.listen.port,
+                ssl_context=tls,
+                reuse_address=True,
+                handshake_timeout=config.limits.header_timeout,
+            )
+        )
         await site.start()
         self._proxy_server = server
         self._proxy_runner = runner
@@ -360,6 +378,8 @@ class Sidecar:
             self.spawn("fleet-probe", self.fleet_links.probe_forever())
         if self.reloader is not None:
             self.spawn("config-watch", self.reloader.watch(self.watch_interval))
+        if self.certs is not None and tls is not None:  # the listener's pair re-read
+            self.spawn("tls-reload", self.certs.watch(tls.install))
         self.spawn(
             "dns-refresh",
             self.resolver.watch(
@@ -375,6 +395,30 @@ class Sidecar:
             self.admin_port,
             len(config.routes),
         )
+
+    def _listener_tls(self, config: Config) -> SwitchingContext | None:
+        """The TLS listener's context (``server_tls``), its handshakes and reloads counted; a
+        warning when its certificate expires within 14 days. None: the listener is plaintext."""
+        if not config.server_tls.enabled:
+            return None
+        m = self.metrics
+        for result in RESULTS:
+            m.tls_handshakes.values.setdefault((("side", "listener"), ("result", result)), 0.0)
+        for result in RELOAD_RESULTS:
+            m.tls_reloads.values.setdefault((("result", result),), 0.0)
+        self.certs = CertReloader(
+            config.server_tls,
+            wall=self.clock.wall,
+            reloaded=lambda result: m.tls_reloads.inc((("result", result),)),
+            expiry=lambda left: m.tls_cert_expiry.set((("use", "listener"),), left),
+            prepare=listener_reports(
+                lambda result: m.tls_handshakes.inc((("side", "listener"), ("result", result)))
+            ),
+        )
+        warning = self.certs.expiry_warning()
+        if warning is not None:
+            log.warning("%s", warning)
+        return SwitchingContext(self.certs.context)
 
     async def reload(self, trigger: str) -> ReloadResult | None:
         if self.reloader is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from html import escape
 from typing import Any
 
 from sidecar.admin.killswitch import iso
@@ -84,3 +85,23 @@ def figure_text(value: object) -> str | None:
     if isinstance(value, float):
         return f"{value:.2f}"
     return str(value)
+
+
+def tls_items(listener: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The TLS listener's certificate and client CA for the page's process list (subject,
+    expiry, the time left, warned within 14 days); nothing for a plaintext listener."""
+    out: list[tuple[str, str]] = []
+    for label, slug in (("TLS listener certificate", "cert"), ("TLS client CA", "client_ca")):
+        c = (listener or {}).get(slug)
+        if c is None:
+            continue
+        left = float(c["expires_in"])
+        klass = "bad" if left < 14 * 86400 else "ok"
+        out.append(
+            (
+                label,
+                f'<code id="tls-{slug}">{escape(c["subject"])}</code> <small>expires '
+                f'<span class="{klass}">{escape(c["not_after"])}</span> (in {age(left)})</small>',
+            )
+        )
+    return out

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from html import escape
 from urllib.parse import urlencode
 
-from sidecar.admin.fmt import age, figure_text, pct, rate, size, success_class, when
+from sidecar.admin.fmt import age, figure_text, pct, rate, size, success_class, tls_items, when
 from sidecar.admin.snapshot import WINDOWS, FleetUse, RouteStatus, Status, SwitchView
 from sidecar.engine.figures import COLUMNS
 
@@ -353,7 +353,7 @@ def _process(st: Status) -> str:
         if said is not None:
             span = f'<span class="bad" id="{slug}-warning">{escape(said)}</span>'
             items.append((f"{label} warning", span))
-    items.extend(_fleet(use, f) for use, f in p.fleet.items())
+    items.extend([*(_fleet(use, f) for use, f in p.fleet.items()), *tls_items(p.tls_listener)])
     cells = "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in items)
     return f'<h2>Process</h2><dl class="grid" id="process">{cells}</dl>'
 

@@ -58,6 +58,8 @@ class StatusSources:
     fleet: FleetLinks  # every use's link to the fleet's Redis
     # What the start-up check of the idempotency keys' Redis found (it may evict them), or None.
     idempotency_warning: Callable[[], str | None] = lambda: None
+    # The TLS listener's certificate and client CA (``proxy/certreload.ListenerCerts``), or None.
+    tls_listener: Callable[[float], dict[str, Any] | None] = lambda wall: None
     started_mono: float = field(default_factory=time.monotonic)
     started_wall: float = field(default_factory=time.time)
     _dlq_cache: tuple[float, dict[str, dict[str, Any]]] | None = None
@@ -149,6 +151,9 @@ class ProcessStatus:
     # What the start-up check of the idempotency keys' store found wrong (a fleet Redis that may
     # evict keys, or whose settings cannot be read), or None.
     idempotency_warning: str | None = None
+    # The TLS listener's certificate and client CA: subject, issuer, expiry, the time left
+    # (``expires_in``, seconds), SHA-256; None for a plaintext listener.
+    tls_listener: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +251,7 @@ async def take(src: StatusSources, window: str = DEFAULT_WINDOW) -> Status:
         fleet={s.use: FleetUse(s.state, s.error, s.while_unreachable) for s in src.fleet.states()},
         dlq_warning=src.dlq.warning(),
         idempotency_warning=src.idempotency_warning(),
+        tls_listener=src.tls_listener(wall),
     )
     return Status(wall, window, win.seconds, process, routes, switches)
 

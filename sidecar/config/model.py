@@ -164,6 +164,17 @@ class Route:
             '`client_key`); see "TLS"'
         ),
     )
+    forward_client_cert: bool = key(
+        False,
+        c.boolean,
+        note="true: X-Forwarded-Client-Cert (hash, subject) from a mutual-TLS listener",
+        help=(
+            "with a mutual-TLS listener (`server_tls.client_ca_file`): true adds "
+            "`X-Forwarded-Client-Cert` as Envoy writes it (`Hash=<sha256 of the DER>;"
+            'Subject="<RFC 4514 subject>"`), nothing else of the certificate; false (the '
+            "default) sends nothing of it. One a client sends is always dropped"
+        ),
+    )
     retry: RetryPolicy = section(RetryPolicy, rows=True)
     breaker: BreakerPolicy = section(
         BreakerPolicy,

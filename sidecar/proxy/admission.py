@@ -92,13 +92,20 @@ def admit(
 
     peer = peer_of(request)
     trusted = is_trusted(peer, config.trusted_peers)
+    conn = request.protocol
+    tls = conn if isinstance(conn, GuardedRequestHandler) and conn.tls is not None else None
     shared, edge, timeout_ms = forward.request_headers(
         raw_headers,
         peer,
         trusted,
+        b"http" if tls is None else b"https",
         default_host=route.upstream.authority.encode(),
         authority=where.authority.encode("latin-1") if where.authority else None,
     )
+    if tls is not None and route.forward_client_cert:
+        cert = tls.client_cert()
+        if cert is not None:
+            shared.append((b"X-Forwarded-Client-Cert", cert))
     upgrade = upgrade_wanted(request, route)  # a tunnel asked for (proxy/tunnel.py)
     if upgrade is not None:
         shared.extend(upgrade_headers(upgrade))

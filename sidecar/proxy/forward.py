@@ -38,6 +38,9 @@ OWN_REQUEST = frozenset({b"x-retry-attempt", b"x-retry-edge", b"x-request-timeou
 # upstream can believe it: never passed on from any client, trusted peers included (an outer
 # sidecar's replay marker names a record in that sidecar's DLQ, not in this one's).
 REPLAY_MARKER = b"x-retry-replay"
+# Envoy's X-Forwarded-Client-Cert: what a TLS listener learnt of the client's certificate. Only
+# the sidecar may say that (a route's ``forward_client_cert``): never passed on from a client.
+XFCC = b"x-forwarded-client-cert"
 OWN_RESPONSE = frozenset(
     {
         b"x-retry-attempts",
@@ -86,8 +89,10 @@ def request_headers(
     ``authority`` is the host of an absolute-form request target: it replaces any received
     Host (RFC 9112 section 3.2.2).
 
-    X-Forwarded-For keeps what the client sent and appends the real peer; X-Forwarded-Proto and
-    X-Forwarded-Host are set by the sidecar (kept from a trusted peer).
+    X-Forwarded-For keeps what the client sent and appends the real peer; X-Forwarded-Proto
+    (``scheme``: https for a request that came over the TLS listener, as nginx's ``$scheme``)
+    and X-Forwarded-Host are set by the sidecar (kept from a trusted peer).
+    X-Forwarded-Client-Cert is never passed on (the caller adds its own where a route asks).
 
     One pass over the received headers: the names a ``Connection`` header lists are only known
     once it has been read, so they are removed afterwards, and only when it names a field that
@@ -113,7 +118,7 @@ def request_headers(
                 elif lk == b"x-request-timeout-ms":
                     timeout = v if timeout is None else timeout + b"," + v  # the smallest wins
             continue
-        if lk == REPLAY_MARKER:
+        if lk in (REPLAY_MARKER, XFCC):
             continue
         if lk == b"tracestate":
             tracestate.append(v)

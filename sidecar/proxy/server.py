@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -29,6 +31,7 @@ from aiohttp.web_protocol import RequestHandler, _ErrInfo
 from sidecar.proxy.framing import RequestFraming, escape_request_line, target_of
 from sidecar.proxy.methods import stand_in
 from sidecar.proxy.respond import client_error
+from sidecar.proxy.tlslisten import accepted_at, xfcc
 from sidecar.telemetry.logs import RateLimit
 
 log = logging.getLogger("sidecar.proxy")
@@ -104,6 +107,8 @@ class GuardedRequestHandler(RequestHandler):
         self.tunnel: TunnelEnd | None = None  # set while an upgraded connection is relayed
         self._method: str | None = None  # the method stood in for in the head being parsed
         self._heard = False  # a byte has come on this connection
+        self.tls: ssl.SSLObject | None = None  # the TLS listener's connection (proxy/tlslisten)
+        self._xfcc: bytes | None = None  # its client certificate as XFCC, once asked
 
     def peer(self) -> str:
         """The client's address. Kept for the connection's life: uvloop asks the kernel
@@ -112,6 +117,14 @@ class GuardedRequestHandler(RequestHandler):
             self._peer = transport_peer(self.transport)
         return self._peer
 
+    def client_cert(self) -> bytes | None:
+        """The client certificate of this TLS connection as Envoy's XFCC value, read once per
+        connection; None without one (plaintext, or no certificate asked for)."""
+        if self._xfcc is None:
+            der = self.tls.getpeercert(binary_form=True) if self.tls is not None else None
+            self._xfcc = xfcc(der) if der else b""
+        return self._xfcc or None
+
     # -- the head deadline ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -119,7 +132,11 @@ class GuardedRequestHandler(RequestHandler):
         a connection that never sends a byte is closed after ``limits.header_timeout``, not
         held until ``keepalive_timeout``."""
         super().connection_made(transport)
-        self._head_timer = self._loop.call_later(self._guard.header_timeout(), self._head_timed_out)
+        timeout = self._guard.header_timeout()
+        self.tls = transport.get_extra_info("ssl_object")
+        if self.tls is not None:  # over TLS: the handshake took part of the head's time
+            timeout = max(0.0, timeout - (time.monotonic() - accepted_at(self.tls)))
+        self._head_timer = self._loop.call_later(timeout, self._head_timed_out)
 
     def data_received(self, data: bytes) -> None:
         """Hand the parser one request at a time (``framing.RequestFraming``): a request

@@ -247,6 +247,12 @@ class Metrics:
             "Seconds until a certificate the sidecar presents expires, by use (listener; "
             "route:<name> for a route's client certificate); negative once expired.",
         )
+        self.tls_reloads = Counter(
+            "tls_reloads_total",
+            "Changes of the listener's certificate files by result: ok (in force for the next "
+            "handshake), missing, invalid (does not parse: half written), mismatch (a key of "
+            "another certificate); refused ones leave the pair in force serving.",
+        )
         self.build_info = Gauge(
             "build_info", "1, labelled with the version and the build (compiled or pure)."
         )
@@ -290,6 +296,7 @@ class Metrics:
             self.idempotency,
             self.tls_handshakes,
             self.tls_cert_expiry,
+            self.tls_reloads,
             self.build_info,
         ]
 

@@ -144,6 +144,7 @@ ROUTE_KEYS: dict[str, st.SearchStrategy[Any]] = {
     "tls.client_cert": kind([None], ["/nonexistent/client.pem"]),
     "tls.client_key": kind([None], ["/nonexistent/client.key"]),
     "tls.verify": BOOLS,
+    "forward_client_cert": BOOLS,
     "tls.min_version": kind(["1.2", "1.3"], ["1.1", 1.2]),
 }
 TOP_KEYS: dict[str, st.SearchStrategy[Any]] = {

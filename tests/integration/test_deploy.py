@@ -610,3 +610,68 @@ def test_fleet_keys_get_no_volume_and_no_bound_from_one():
     policy = {**GUARDED, "idempotency": {"backend": "redis", "max_records": 10**9}}
     cfg = yaml.safe_load(rendered_config(render({"fleet": fleet, "sidecar": {"policy": policy}})))
     assert cfg["idempotency"]["max_records"] == 10**9
+
+
+TLS_VALUES: dict[str, Any] = {
+    "sidecar": {
+        "tls": {
+            "listener": {"secretName": "shop-tls", "clientCa": True, "minVersion": "1.3"},
+            "mounts": [
+                {"name": "payments-ca", "configMap": "payments-ca-bundle"},
+                {"name": "payments-client", "secret": "payments-client-tls"},
+            ],
+        }
+    }
+}
+
+
+def test_tls_values_mount_the_listener_secret_and_route_files_and_set_server_tls(tmp_path):
+    """The listener's kubernetes.io/tls Secret and the routes' CA bundle / client certificate
+    are mounted read-only as whole directories (a Secret's ..data swap reaches the sidecar),
+    server_tls names the listener's files; linted and validated like the variants."""
+    for k8s in K8S_VERSIONS:
+        report = helm.lint(str(CHART), TLS_VALUES, strict=True, kube_version=f"v{k8s}")
+        assert report["errors"] == [], report
+    docs = render(TLS_VALUES)
+    for doc in docs:
+        if doc["kind"] not in OPERATOR_KINDS:
+            kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+    mounts = {m["name"]: m for m in sidecar_container(docs)["volumeMounts"]}
+    assert mounts["tls-listener"] == {
+        "name": "tls-listener",
+        "mountPath": "/etc/tls/listener",
+        "readOnly": True,
+    }
+    assert mounts["tls-payments-ca"]["mountPath"] == "/etc/tls/payments-ca"
+    assert all("subPath" not in m for m in mounts.values())
+    volumes = {v["name"]: v for v in workload(docs)["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tls-listener"]["secret"] == {"secretName": "shop-tls"}
+    assert volumes["tls-payments-ca"]["configMap"] == {"name": "payments-ca-bundle"}
+    assert volumes["tls-payments-client"]["secret"] == {"secretName": "payments-client-tls"}
+    text = rendered_config(docs)
+    server_tls = yaml.safe_load(text)["server_tls"]
+    assert server_tls == {
+        "cert_file": "/etc/tls/listener/tls.crt",
+        "key_file": "/etc/tls/listener/tls.key",
+        "client_ca_file": "/etc/tls/listener/ca.crt",
+        "min_version": "1.3",
+    }
+    # The sidecar's own loader takes it once the files are there (here: made for the test).
+    from tests.tlscerts import make
+
+    certs = make(tmp_path / "certs")
+    local = (
+        text.replace("/etc/tls/listener/tls.crt", certs.server.cert)
+        .replace("/etc/tls/listener/tls.key", certs.server.key)
+        .replace("/etc/tls/listener/ca.crt", certs.ca)
+    )
+    assert parse_text(local).server_tls.client_ca_file == certs.ca
+    # Without the values: no TLS volume, no server_tls.
+    plain = render({})
+    assert "server_tls" not in yaml.safe_load(rendered_config(plain))
+    assert not [m for m in sidecar_container(plain)["volumeMounts"] if "tls" in m["name"]]
+
+
+def test_values_schema_refuses_server_tls_in_the_policy():
+    with pytest.raises(Exception, match=r"server_tls|not"):
+        render({"sidecar": {"policy": {"server_tls": {"cert_file": "/x"}}}})

@@ -114,6 +114,15 @@ the container's env names (retry-sidecar.sidecarContainer). */ -}}
 {{- $_ := set $policy "fleet" (dict "redis" $redis "killswitch" .killswitch) -}}
 {{- end }}
 {{- end }}
+{{- with .Values.sidecar.tls.listener }}
+{{- if .secretName }}
+{{- /* The listener's kubernetes.io/tls Secret, mounted at /etc/tls/listener
+(retry-sidecar.sidecarContainer); re-read by the sidecar when the Secret is updated. */ -}}
+{{- $tls := dict "cert_file" "/etc/tls/listener/tls.crt" "key_file" "/etc/tls/listener/tls.key" "min_version" (toString .minVersion) -}}
+{{- if .clientCa }}{{- $_ := set $tls "client_ca_file" "/etc/tls/listener/ca.crt" -}}{{- end }}
+{{- $_ := set $policy "server_tls" $tls -}}
+{{- end }}
+{{- end }}
 {{- $_ := set $policy "drain_timeout" (printf "%ds" (int .Values.sidecar.drainTimeoutSeconds)) -}}
 {{- toYaml $policy }}
 {{- end }}
@@ -182,6 +191,16 @@ the container's env names (retry-sidecar.sidecarContainer). */ -}}
       readOnly: true
     - name: dlq
       mountPath: /data
+    {{- if .Values.sidecar.tls.listener.secretName }}
+    - name: tls-listener
+      mountPath: /etc/tls/listener
+      readOnly: true
+    {{- end }}
+    {{- range .Values.sidecar.tls.mounts }}
+    - name: tls-{{ .name }}
+      mountPath: /etc/tls/{{ .name }}
+      readOnly: true
+    {{- end }}
 {{- end }}
 
 {{/* "true" when the DLQ is a SQLite file on the pod's volume: persistence on and the DLQ not
