@@ -21,6 +21,8 @@ from sidecar.config.units import MAX_SIZE
 
 TABLE_BEGIN = "<!-- config-table:begin -->"
 TABLE_END = "<!-- config-table:end -->"
+SECTIONS_BEGIN = "<!-- config-sections:begin -->"
+SECTIONS_END = "<!-- config-sections:end -->"
 HEADER = (
     "# retry-sidecar policy. Edit, then check with: retry-sidecar validate config/sidecar.yaml\n"
     "# Reference: docs/configuration.md. A working example with every key written out: at\n"
@@ -174,7 +176,16 @@ def _linked(help_text: str) -> str:
     return _CITED.sub(link, help_text)
 
 
-def _rows(cls: type, prefix: str) -> list[str]:
+def anchor(label: str) -> str:
+    """The id of a key's row in the reference: its path without ``[]``
+    (``routes[].retry.attempts`` -> ``routes.retry.attempts``), so a page links
+    ``configuration.md#routes.retry.attempts``."""
+    return label.replace("[]", "")
+
+
+def _rows(cls: type, prefix: str) -> list[tuple[str, str]]:
+    """(key path, table row) for each key ``cls`` declares, sections with rows of their own
+    flattened."""
     out = []
     for e in schema.entries(cls):
         label = prefix + e.name
@@ -189,23 +200,56 @@ def _rows(cls: type, prefix: str) -> list[str]:
             default = f"`{written(e.default, e.key)}`"
         if not e.key.help:
             raise ValueError(f"{label}: a key the reference lists needs help text")
-        out.append(f"| `{label}` | {default} | {_linked(e.key.help)} |")
+        # The id opens the meaning cell: the key cell stays the key alone.
+        cell = f'<a id="{anchor(label)}"></a>{_linked(e.key.help)}'
+        out.append((label, f"| `{label}` | {default} | {cell} |"))
         if e.attr == "routes":
             out.extend(_rows(Route, "routes[]."))
     return out
 
 
+def _sections(labels: list[str]) -> str:
+    """The sections of the table, each a link to its first row: the top-level ones, then a
+    route's."""
+    top: dict[str, str] = {}
+    route: dict[str, str] = {}
+    for label in labels:
+        if label.startswith("routes[]."):
+            route.setdefault(label.split(".")[1], label)
+        else:
+            top.setdefault(label.split(".")[0], label)
+
+    def links(sections: dict[str, str]) -> str:
+        return ", ".join(f"[`{name}`](#{anchor(first)})" for name, first in sections.items())
+
+    return (
+        f"- Top level: {links(top)}\n"
+        f"- Each route (`routes[]`; all but `name`, `match` and `upstream` also in `defaults`): "
+        f"{links(route)}"
+    )
+
+
 def key_table() -> str:
-    return "\n".join(["| key | default | meaning |", "|---|---|---|", *_rows(Config, "")])
+    """The table: a row per key, each with the id ``anchor`` gives it."""
+    rows = [row for _, row in _rows(Config, "")]
+    return "\n".join(["| key | default | meaning |", "|---|---|---|", *rows])
+
+
+def _between(page: str, begin: str, end: str, text: str) -> str:
+    head, found, rest = page.partition(begin)
+    _, found_end, tail = rest.partition(end)
+    if not found or not found_end:
+        raise ValueError(f"the configuration reference has no {begin} ... {end} markers")
+    return f"{head}{begin}\n{text}\n{end}{tail}"
 
 
 def with_table(page: str) -> str:
-    """``page`` with the text between the table's markers replaced by ``key_table()``."""
-    head, begin, rest = page.partition(TABLE_BEGIN)
-    _, end, tail = rest.partition(TABLE_END)
-    if not begin or not end:
-        raise ValueError("the configuration reference has no config-table markers")
-    return f"{head}{TABLE_BEGIN}\n{key_table()}\n{TABLE_END}{tail}"
+    """``page`` with the text between the sections' markers replaced by the list of sections,
+    and between the table's by ``key_table()``."""
+    page = _between(
+        page, SECTIONS_BEGIN, SECTIONS_END, _sections([k for k, _ in _rows(Config, "")])
+    )
+    return _between(page, TABLE_BEGIN, TABLE_END, key_table())
 
 
 # -- GET /config ----------------------------------------------------------------------------

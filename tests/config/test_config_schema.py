@@ -196,3 +196,22 @@ async def test_get_config_shows_every_key_and_no_secret(
             for part in path.split("."):
                 assert part in node, path
                 node = node[part]
+
+
+def test_every_key_of_the_reference_has_its_own_id_and_the_sections_link_them() -> None:
+    """Outside review: a key could not be linked. Each row carries the id of its key path
+    (``routes[].retry.per_try_timeout`` -> ``routes.retry.per_try_timeout``), once; the list of
+    sections at the top links only ids that exist."""
+    import re
+
+    reference = (ROOT / "docs" / "configuration.md").read_text()
+    rows = re.findall(r'^\| `([^`]+)` \| .*? \| <a id="([^"]+)"></a>', reference, re.MULTILINE)
+    keys = re.findall(r"^\| `([^`]+)` \|", reference, re.MULTILINE)
+    assert [k for k, _ in rows] == keys and len(keys) > 40
+    assert all(i == k.replace("[]", "") for k, i in rows)
+    ids = [i for _, i in rows]
+    assert len(ids) == len(set(ids))
+    assert "routes.retry.per_try_timeout" in ids
+    sections = reference[: reference.index("<!-- config-sections:end -->")]
+    linked = re.findall(r"\]\(#([^)]+)\)", sections)
+    assert "routes.retry.attempts" in linked and set(linked) <= set(ids)

@@ -100,6 +100,40 @@ def test_alert_rules_use_only_exported_metrics():
     assert len(exprs) == 12 and unknown_names(exprs) == set()
 
 
+def alerts(values: dict[str, Any]) -> list[dict[str, Any]]:
+    [rule] = [d for d in render(values) if d["kind"] == "PrometheusRule"]
+    return [r for g in rule["spec"]["groups"] for r in g["rules"]]
+
+
+def test_each_alert_links_its_runbook_section():
+    """monitoring.runbookBaseUrl set: every alert carries a runbook_url to its own section of
+    docs/incidents.md (a heading with that explicit id); unset (the default): none does."""
+    assert [
+        r["alert"] for r in alerts(VARIANTS["monitoring"]) if "runbook_url" in r["annotations"]
+    ] == []
+    values = {**VARIANTS["monitoring"]}
+    values["monitoring"] = {
+        **values["monitoring"],
+        "runbookBaseUrl": "https://docs.example.com/rs/",
+    }
+    page = (ROOT / "docs" / "incidents.md").read_text()
+    ids = set(re.findall(r"^#+ .*\{#([a-z0-9-]+)\}$", page, re.MULTILINE))
+    found = alerts(values)
+    assert len(found) >= 11
+    for r in found:
+        anchor = r["alert"].lower()
+        assert r["annotations"]["runbook_url"] == f"https://docs.example.com/rs/incidents/#{anchor}"
+        assert anchor in ids, r["alert"]
+
+
+def test_runbook_base_url_must_be_a_url():
+    import helm_python as helm
+
+    chart = helm.Chart.load(str(CHART))
+    with pytest.raises(helm.HelmError):
+        chart.validate_schema(chart.merge_values({"monitoring": {"runbookBaseUrl": "docs"}}))
+
+
 def test_dashboard_shape():
     d = dashboard()
     assert d["uid"] == "retry-sidecar" and d["title"] == "retry-sidecar"
