@@ -12,6 +12,7 @@ every user: ``client_context`` for an upstream, ``server_context`` for the liste
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import ssl
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -37,9 +38,25 @@ def _optional_path(value: object) -> str | None:
 
 
 def _optional_name(value: object) -> str | None:
+    """A host name (or an IP address: then no SNI is sent and the certificate's IP entries are
+    verified, as curl does); never a pattern: ``*.example.com`` would be sent as SNI and match
+    only a wildcard certificate, literally."""
     if value is None:
         return None
-    return c.non_empty_str(value)
+    name = c.non_empty_str(value)
+    if any(ch in name for ch in "*/?#@ \t") or name.startswith(".") or ":" in name.strip("[]"):
+        if ":" in name and _is_ip(name.strip("[]")):
+            return name.strip("[]")
+        raise c.Invalid(f"expected a host name such as api.example.com, got {value!r}")
+    return name
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +164,7 @@ class CertInfo:
     path: str
     subject: str
     issuer: str
+    not_before: float  # Unix time
     not_after: float  # Unix time
     sha256: str  # of the DER certificate, hex
 
@@ -180,6 +198,7 @@ def cert_info(path: str) -> CertInfo:
         path=path,
         subject=leaf.subject.rfc4514_string(),
         issuer=leaf.issuer.rfc4514_string(),
+        not_before=leaf.not_valid_before_utc.timestamp(),
         not_after=leaf.not_valid_after_utc.timestamp(),
         sha256=hashlib.sha256(der).hexdigest(),
     )
@@ -207,10 +226,22 @@ def pair_problems(cert: str, key_file: str, cert_key: str, key_key: str) -> Prob
     except ValueError as e:
         return [(cert_key, str(e))]
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key_file)
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key_file, no_passphrase)
+    except EncryptedKey as e:
+        return [(key_key, f"{key_file}: {e}")]
     except (ssl.SSLError, OSError) as e:
         return [(key_key, f"{key_file} does not parse or does not match {cert}: {e}")]
     return []
+
+
+class EncryptedKey(ValueError):
+    """A key file that asks for a passphrase: the sidecar has none to give."""
+
+
+def no_passphrase() -> str:
+    """The ``password`` of every key load: OpenSSL asks for one only for an encrypted key, and
+    without a callback it would prompt on the terminal and block the event loop."""
+    raise EncryptedKey("the key is encrypted (a passphrase is asked): give it unencrypted")
 
 
 def _reason(e: BaseException, path: str) -> str:
@@ -240,7 +271,7 @@ def client_context(tls: RouteTls) -> ssl.SSLContext:
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
     if tls.client_cert is not None and tls.client_key is not None:
-        ctx.load_cert_chain(tls.client_cert, tls.client_key)
+        ctx.load_cert_chain(tls.client_cert, tls.client_key, no_passphrase)
     return ctx
 
 
@@ -249,7 +280,7 @@ def server_context(tls: ServerTls, alpn: tuple[str, ...] = ("http/1.1",)) -> ssl
     assert tls.cert_file is not None and tls.key_file is not None
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = _VERSIONS[tls.min_version]
-    ctx.load_cert_chain(tls.cert_file, tls.key_file)
+    ctx.load_cert_chain(tls.cert_file, tls.key_file, no_passphrase)
     if tls.client_ca_file is not None:
         ctx.load_verify_locations(cafile=tls.client_ca_file)
         ctx.verify_mode = ssl.CERT_REQUIRED

@@ -36,7 +36,15 @@ LOADED = "ok"
 MISSING = "missing"  # a file is not there (or a link points nowhere)
 INVALID = "invalid"  # a file does not parse: half written, not PEM
 MISMATCH = "mismatch"  # the key is not the certificate's
-RELOAD_RESULTS = (LOADED, MISSING, INVALID, MISMATCH)
+EXPIRED = (
+    "expired"  # the new certificate has expired (or is not valid yet): every client would refuse it
+)
+RELOAD_RESULTS = (LOADED, MISSING, INVALID, MISMATCH, EXPIRED)
+
+
+class NotValidNow(ValueError):
+    """A new certificate outside its validity period: kept out, the pair in force serves on."""
+
 
 FileId = tuple[int, int, int, int] | None  # (device, inode, size, mtime ns); None: missing
 
@@ -85,6 +93,8 @@ def load_result(exc: BaseException) -> str:
     """The ``result`` label of a pair refused with ``exc``."""
     if isinstance(exc, FileNotFoundError):
         return MISSING
+    if isinstance(exc, NotValidNow):
+        return EXPIRED
     if isinstance(exc, ssl.SSLError) and exc.reason == "KEY_VALUES_MISMATCH":
         return MISMATCH
     return INVALID
@@ -187,6 +197,12 @@ class CertReloader:
                 raise FileNotFoundError("a file of the pair is missing")
             ctx = self._build()
             certs = self._describe(None)
+            now_wall = self._wall()
+            if certs.cert.seconds_left(now_wall) <= 0 or certs.cert.not_before > now_wall:
+                raise NotValidNow(
+                    f"{certs.cert.path} is valid from {utc_text(certs.cert.not_before)} to "
+                    f"{utc_text(certs.cert.not_after)}, not now"
+                )
         except (OSError, ValueError, ssl.SSLError) as e:
             self._refused = now
             result = load_result(e)
@@ -209,6 +225,9 @@ class CertReloader:
             utc_text(certs.cert.not_after),
             certs.cert.sha256[:16],
         )
+        soon = self.expiry_warning()
+        if soon is not None:
+            log.warning("%s: renew it", soon)
         return ctx
 
     async def watch(self, install: Callable[[ssl.SSLContext], None]) -> None:

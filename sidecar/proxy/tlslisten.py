@@ -154,10 +154,29 @@ def accepted_at(obj: ssl.SSLObject) -> float:
 def xfcc(der: bytes) -> bytes:
     """``X-Forwarded-Client-Cert`` as Envoy writes it for a client certificate (DER):
     ``Hash=<hex SHA-256 of the DER>;Subject="<RFC 4514 subject>"``, the subject quoted, a
-    ``"`` or ``\\`` in it escaped with a backslash. Nothing else of the certificate."""
+    ``"`` or ``\\`` in it escaped with a backslash, and every byte outside printable ASCII (CR,
+    LF, other controls, UTF-8) as ``\\xHH``: a subject is the client's own text, and raw it
+    could end the header and start another, or another request. Nothing else of the
+    certificate."""
     subject = x509.load_der_x509_certificate(der).subject.rfc4514_string()
-    quoted = subject.replace("\\", "\\\\").replace('"', '\\"')
-    return f'Hash={hashlib.sha256(der).hexdigest()};Subject="{quoted}"'.encode()
+    return f'Hash={hashlib.sha256(der).hexdigest()};Subject="{quoted(subject)}"'.encode()
+
+
+def quoted(text: str) -> str:
+    """``text`` safe inside a quoted header value: printable ASCII as is (``"`` and ``\\``
+    escaped), every other byte of its UTF-8 as ``\\xHH``."""
+    out: list[str] = []
+    for byte in text.encode("utf-8", "surrogatepass"):
+        if byte in (0x22, 0x5C):
+            out.append("\\" + chr(byte))
+        elif 0x20 <= byte < 0x7F:
+            out.append(chr(byte))
+        else:
+            out.append(f"\\x{byte:02x}")
+    return "".join(out)
+
+
+SHUTDOWN_TIMEOUT = 2.0  # seconds; nginx does not wait for the peer's close_notify at all
 
 
 class TlsSite(web.TCPSite):
@@ -183,6 +202,10 @@ class TlsSite(web.TCPSite):
             reuse_address=self._reuse_address,
             reuse_port=self._reuse_port,
             ssl_handshake_timeout=self._handshake_timeout,
+            # A connection the sidecar closes (a 408 to a slow head, keep-alive expiry) sends
+            # its close_notify and waits this long for the client's before the socket goes:
+            # uvloop's 30 s would let a TLS slowloris hold each socket 30 s past its 408.
+            ssl_shutdown_timeout=SHUTDOWN_TIMEOUT,
         )
         sockets = self._server.sockets
         self._bound_port = sockets[0].getsockname()[1] if sockets else self._port

@@ -92,15 +92,16 @@ def upgrade_headers(value: bytes) -> list[tuple[bytes, bytes]]:
 class _Upstream(asyncio.Protocol):
     """The upstream side of a tunnel, once it has left the pool."""
 
-    def __init__(self, tunnel: Tunnel) -> None:
+    def __init__(self, tunnel: Tunnel, tls: bool = False) -> None:
         self.t = tunnel
+        self.tls = tls  # over TLS a half-close does not exist (asyncio warns if asked for one)
 
     def data_received(self, data: bytes) -> None:
         self.t.to_client(data)
 
     def eof_received(self) -> bool:
         self.t.upstream_eof()
-        return True  # keep the upstream open for what the client still sends
+        return not self.tls  # keep the upstream open for what the client still sends
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.t.upstream_lost(exc)
@@ -143,7 +144,8 @@ class Tunnel:
         if self._up is None:
             self._end(CLOSED)  # the upstream closed right after its 101
             return
-        self._up.set_protocol(_Upstream(self))
+        tls = self._up.get_extra_info("sslcontext") is not None
+        self._up.set_protocol(_Upstream(self, tls))
         self._timer = self._loop.call_later(self._idle, self._check_idle)
 
     def _check_idle(self) -> None:

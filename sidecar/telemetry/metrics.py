@@ -250,8 +250,9 @@ class Metrics:
         self.tls_reloads = Counter(
             "tls_reloads_total",
             "Changes of the listener's certificate files by result: ok (in force for the next "
-            "handshake), missing, invalid (does not parse: half written), mismatch (a key of "
-            "another certificate); refused ones leave the pair in force serving.",
+            "handshake), missing, invalid (does not parse: half written; an encrypted key), "
+            "mismatch (a key of another certificate), expired (outside its validity period); "
+            "refused ones leave the pair in force serving.",
         )
         self.build_info = Gauge(
             "build_info", "1, labelled with the version and the build (compiled or pure)."

@@ -95,3 +95,33 @@ routes:
     info = cert_info(made.server.cert)
     assert info.not_after > 2e9 and "trustme" in info.subject
     assert cert_info(made.expired.cert).not_after < 1e9
+
+
+def test_an_encrypted_key_is_refused_without_a_prompt(made: tlscerts.CertSet) -> None:
+    """OpenSSL asks a terminal for the passphrase of an encrypted key, which would block the
+    event loop (or validate) until someone typed it: refused at once instead, by its key."""
+    import subprocess
+
+    enc = made.dir / "client-encrypted.key"
+    subprocess.run(
+        ["openssl", "pkey", "-in", made.client.key, "-aes256", "-passout", "pass:x", "-out", enc],
+        check=True,
+        stdin=subprocess.DEVNULL,
+    )
+    text = f"""version: 1
+routes:
+  - name: a
+    upstream: https://localhost:8443
+    tls: {{client_cert: {made.client.cert}, client_key: {enc}}}
+"""
+    found = problems(text)
+    assert len(found) == 1 and "routes[0].tls.client_key" in found[0], found
+    assert "the key is encrypted" in found[0]
+
+
+@pytest.mark.parametrize("name", ["*.example.com", "api example", "host:443", ".example.com"])
+def test_server_name_is_a_host_name_never_a_pattern(name: str) -> None:
+    found = problems(
+        f'version: 1\nroutes: [{{name: a, upstream: "https://10.0.0.1", tls: {{server_name: "{name}"}}}}]\n'
+    )
+    assert any("routes[0].tls.server_name: expected a host name" in p for p in found), found
