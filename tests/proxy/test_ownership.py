@@ -33,7 +33,6 @@ from sidecar.config.parse import parse_text
 from sidecar.core import NoTimeLeft, Overloaded, Verdict
 from sidecar.engine.bulkhead import Bulkhead
 from sidecar.proxy.admission import is_trusted
-from sidecar.proxy.respond import ProxyResponse
 from sidecar.retry.breaker import Admitted, Breaker, State
 from sidecar.retry.budget import Budget
 from sidecar.telemetry.tracing import Tracing
@@ -1187,22 +1186,24 @@ async def test_a_kill_switch_set_during_the_backoff_stops_the_scheduled_retry(
 # uvloop marks the transport closing at once and calls ``connection_lost`` -- which cancels the
 # handler -- a loop turn later, so a write can see the client gone first; each write the handler
 # makes is tried. The close is put just before a write by a patch on an interpreted class
-# (aiohttp's ``StreamWriter``, the sidecar's ``ProxyResponse``): the race itself cannot be timed
-# from a test. The other early exits (a hedge's losers unwinding, the deadline ending a wait for
+# (aiohttp's ``StreamWriter``, which every write of the HTTP/1.1 sink goes through): the race
+# itself cannot be timed from a test. The other early exits (a hedge's losers unwinding, the deadline ending a wait for
 # a pooled connection, a DLQ record stored after its client left) follow.
 
 
 def _close_before_writing(monkeypatch: pytest.MonkeyPatch, starting: bytes) -> None:
     """The client's close arrives just before the handler writes bytes starting with
-    ``starting`` through aiohttp's writer (a 100 Continue, a relayed 1xx)."""
-    real = StreamWriter.write
+    ``starting`` through aiohttp's writer (a 100 Continue, a relayed 1xx): every write of the
+    HTTP/1.1 sink (``proxy/h1.py``) goes through ``StreamWriter._write``."""
+    real = StreamWriter._write
 
-    async def write(self: StreamWriter, chunk: Any, *args: Any, **kwargs: Any) -> None:
-        if bytes(chunk).startswith(starting) and self.transport is not None:
-            self.transport.close()
-        await real(self, chunk, *args, **kwargs)
+    def write(self: StreamWriter, chunk: Any) -> None:
+        transport = self._protocol.transport
+        if bytes(chunk).startswith(starting) and transport is not None:
+            transport.close()
+        real(self, chunk)
 
-    monkeypatch.setattr(StreamWriter, "write", write)
+    monkeypatch.setattr(StreamWriter, "_write", write)
 
 
 async def _ended(sc: Running, n: int = 1) -> None:
@@ -1286,38 +1287,29 @@ async def test_a_client_gone_before_100_continue_is_counted_and_its_span_ended(
     _nothing_kept(sc)
 
 
-def _close_at_prepare(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = ProxyResponse.prepare
+def _close_at_write(n: int) -> Callable[[pytest.MonkeyPatch], None]:
+    """The client's close arrives just before the sink's ``n``-th write to it (1: the head,
+    or the whole answer in one write; 2: the first body chunk of a streamed one)."""
 
-    async def prepare(self: ProxyResponse, request: web.BaseRequest) -> Any:
-        assert request.transport is not None
-        request.transport.close()
-        return await real(self, request)
+    def patch(monkeypatch: pytest.MonkeyPatch) -> None:
+        real = StreamWriter._write
+        writes = [0]
 
-    monkeypatch.setattr(ProxyResponse, "prepare", prepare)
+        def write(self: StreamWriter, chunk: Any) -> None:
+            writes[0] += 1
+            transport = self._protocol.transport
+            if writes[0] == n and transport is not None:
+                transport.close()
+            real(self, chunk)
 
+        monkeypatch.setattr(StreamWriter, "_write", write)
 
-def _close_at_first_body_write(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = ProxyResponse.write
-
-    async def write(self: ProxyResponse, data: Any) -> None:
-        req = self._req
-        assert req is not None and req.transport is not None
-        req.transport.close()
-        await real(self, data)
-
-    monkeypatch.setattr(ProxyResponse, "write", write)
+    return patch
 
 
-def _close_at_send_whole(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = ProxyResponse.send_whole
-
-    def send_whole(self: ProxyResponse, request: web.BaseRequest, body: bytes) -> None:
-        assert request.transport is not None
-        request.transport.close()
-        real(self, request, body)
-
-    monkeypatch.setattr(ProxyResponse, "send_whole", send_whole)
+_close_at_send_whole = _close_at_write(1)
+_close_at_prepare = _close_at_write(1)
+_close_at_first_body_write = _close_at_write(2)
 
 
 @pytest.mark.parametrize(
