@@ -110,7 +110,7 @@ async def stream(
         # A client whose close came before this write (ConnectionError) is counted
         # client-gone by the handler, as every write to a client that left.
         sink.whole(head, body)
-        return _answered(up, kept, fate, attempts, body, captured, sink.sent)
+        return _answered(up, kept, fate, attempts, body, captured=captured, sent=sink.sent)
     idle = ctx.route.stream_idle_timeout
     try:
         await sink.start(head)
@@ -152,7 +152,7 @@ async def stream(
     except BaseException:
         up.discard()
         raise
-    return _answered(up, kept, fate, attempts, None, captured, sink.sent)
+    return _answered(up, kept, fate, attempts, None, captured=captured, sent=sink.sent)
 
 
 def _answered(
@@ -161,6 +161,7 @@ def _answered(
     fate: str,
     attempts: int,
     body: bytes | None,
+    *,
     captured: Captured | None,
     sent: int,
 ) -> Answered:
