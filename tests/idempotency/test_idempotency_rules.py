@@ -166,7 +166,6 @@ DISPOSE_CASES = [
 
 RETRY_STATUSES = frozenset({502, 503, 504})
 J = ((b"Content-Type", b"application/json"),)
-STORED = {"dlq": "stored", "dlq_id": "r1"}
 # The request path's one outcome (engine/answered.py), as the guard reads it: released (True)
 # or kept (False). Every kind of answer the path makes is a row.
 ANSWERED_CASES = [
@@ -185,7 +184,11 @@ ANSWERED_CASES = [
         Answered(502, J, "exhausted", 1, from_upstream=True, upstream_error=b"connect-failure"),
         True,
     ),
-    ("app-503-dlq-stored", Answered(503, J, "exhausted", 3, from_upstream=True, **STORED), False),
+    (
+        "app-503-dlq-stored",
+        Answered(503, J, "exhausted", 3, from_upstream=True, dlq="stored", dlq_id="r1"),
+        False,
+    ),
     (
         "app-503-dlq-full",
         Answered(503, J, "exhausted", 3, from_upstream=True, dlq="full"),
@@ -201,10 +204,10 @@ ANSWERED_CASES = [
     ("own-bad-response", Answered(502, J, "exhausted", 1, proxy_error="bad-response"), False),
     (
         "own-failure-dlq-stored",
-        Answered(502, J, "exhausted", 3, proxy_error="connect-failure", **STORED),
+        Answered(502, J, "exhausted", 3, proxy_error="connect-failure", dlq="stored", dlq_id="r1"),
         False,
     ),
-    ("own-dlq-202", Answered(202, J, "exhausted", 3, **STORED), False),
+    ("own-dlq-202", Answered(202, J, "exhausted", 3, dlq="stored", dlq_id="r1"), False),
 ]
 
 
