@@ -9,6 +9,7 @@ import ipaddress
 from typing import TYPE_CHECKING
 
 from sidecar.config.model import Config, IpNetwork
+from sidecar.config.values import Upstream
 from sidecar.proxy import forward
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.deps import ProxyDeps
@@ -46,6 +47,23 @@ def is_trusted(peer: str, networks: tuple[IpNetwork, ...]) -> bool:
         _TRUST_CACHE.clear()
     _TRUST_CACHE[peer] = trusted
     return trusted
+
+
+_HOSTS: dict[int, tuple[Upstream, bytes]] = {}
+
+
+def default_host(upstream: Upstream) -> bytes:
+    """The upstream's authority as a Host value, made once per upstream (its property formats
+    a string on every call). Keyed by identity: a reload makes new upstreams, and the cache is
+    bounded against their churn."""
+    hit = _HOSTS.get(id(upstream))
+    if hit is not None and hit[0] is upstream:
+        return hit[1]
+    if len(_HOSTS) >= 256:
+        _HOSTS.clear()
+    value = upstream.authority.encode()
+    _HOSTS[id(upstream)] = (upstream, value)
+    return value
 
 
 def admit(
@@ -89,10 +107,11 @@ def admit(
         raw_headers,
         peer,
         trusted,
-        default_host=route.upstream.authority.encode(),
+        default_host=default_host(route.upstream),
         authority=where.authority.encode("latin-1") if where.authority else None,
     )
-    upgrade = upgrade_wanted(request, route)  # a tunnel asked for (proxy/tunnel.py)
+    # A tunnel asked for (proxy/tunnel.py), on a route that passes upgrades.
+    upgrade = upgrade_wanted(request, route) if route.upgrade.enabled else None
     if upgrade is not None:
         shared.extend(upgrade_headers(upgrade))
     tracing = deps.tracing

@@ -17,11 +17,13 @@ reused (its body was not read whole): an HTTP/1.1 sink closes it, an HTTP/2 one 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Final, Protocol
 
 from multidict import CIMultiDictProxy
 
 RawHeaders = list[tuple[bytes, bytes]]
+ReceivedHeaders = Sequence[tuple[bytes, bytes]]  # as a front end parsed them, never changed
 
 
 class RequestBody(Protocol):
@@ -51,7 +53,7 @@ class ClientRequest:
         self,
         method: str,
         target: str,
-        raw_headers: RawHeaders,
+        raw_headers: ReceivedHeaders,
         fields: CIMultiDictProxy[str],
         *,
         version: tuple[int, int],

@@ -26,6 +26,7 @@ from aiohttp import ClientPayloadError, StreamReader, web
 from aiohttp.helpers import must_be_empty_body
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_writer import StreamWriter
+from aiohttp.streams import EmptyStreamReader
 
 from sidecar.proxy.body import BodyMalformed, ClientGone
 from sidecar.proxy.frontend import ClientRequest, Head, RawHeaders
@@ -53,20 +54,24 @@ class H1Body:
 
 
 def client_request(request: web.BaseRequest) -> ClientRequest:
-    """The path's request for one of aiohttp's."""
+    """The path's request for one of aiohttp's, read from its parsed message (the request's own
+    properties are Python-level code around the same fields)."""
+    msg = request._message
     proto = request.protocol
     transport = request.transport
     peer = proto.peer() if isinstance(proto, GuardedRequestHandler) else transport_peer(transport)
-    version = request.version
+    version = msg.version
+    payload = request._payload
+    length = msg.headers.get("Content-Length")  # its digits checked by the parser
     return ClientRequest(
-        request.method,
-        request.raw_path,
-        list(request.raw_headers),
-        request.headers,
+        msg.method,
+        msg.path,
+        msg.raw_headers,
+        msg.headers,
         version=(version.major, version.minor),
-        body=H1Body(request.content),
-        has_body=request.body_exists,
-        content_length=request.content_length,
+        body=H1Body(payload),
+        has_body=type(payload) is not EmptyStreamReader,
+        content_length=int(length) if length is not None else None,
         peer=peer,
         tls=transport is not None and transport.get_extra_info("sslcontext") is not None,
     )
@@ -97,11 +102,12 @@ class H1Sink:
 
     def __init__(self, request: web.BaseRequest) -> None:
         self.request = request  # what a tunnel takes over (proxy/tunnel.py)
+        msg = request._message
         self._writer = cast(StreamWriter, request._payload_writer)
-        self._method = request.method
-        version = request.version
+        self._method = msg.method
+        version = msg.version
         self._version = (version.major, version.minor)
-        self._keep_alive = request.keep_alive
+        self._keep_alive = not msg.should_close
         self._chunked = False
         self._empty = False  # HEAD, 1xx, 204, 304: a head only
         self._sent = 0

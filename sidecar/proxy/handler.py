@@ -133,7 +133,7 @@ class ProxyHandler:
         ctx.end(answered)
 
     async def _steps(self, ctx: RequestContext, request: ClientRequest) -> Answered:
-        if guards(ctx):  # a write its route guards with an Idempotency-Key
+        if ctx.route.idempotency.enabled and guards(ctx):  # a write its route guards
             length = request.content_length
             if length is not None and length > ctx.route.retry.max_body_bytes:
                 return too_large(ctx)

@@ -27,7 +27,7 @@ def own_headers(result: SequenceResult, captured: Captured | None) -> RawHeaders
     """The sidecar's own headers on a relayed response."""
     own = [
         (b"x-retry-attempts", b"%d" % result.attempts),
-        (b"x-retry-fate", result.fate.value.encode()),
+        (b"x-retry-fate", result.fate.encode()),  # a StrEnum: the str is its value
     ]
     if result.hedges:
         own.append((b"x-retry-hedges", b"%d" % result.hedges))
@@ -102,7 +102,8 @@ async def stream(
     )
     # What a duplicate of a guarded write is told: the app's fields and the DLQ's.
     kept = (*raw, *dlq_fields(captured)) if captured is not None else tuple(raw)
-    fate, attempts = result.fate.value, result.attempts
+    fate: str = result.fate  # a StrEnum: no .value lookup per request
+    attempts = result.attempts
     if not up.has_body or (up.complete and up.buffered_bytes <= sink.whole_limit):
         # The whole body is already here (the common small response): one write.
         body = up.take_body() if up.has_body else b""
