@@ -20,7 +20,7 @@ the sink has written everything, so the first two do nothing.
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import cast
+from typing import Any, cast
 
 from aiohttp import ClientPayloadError, StreamReader, web
 from aiohttp.helpers import must_be_empty_body
@@ -53,10 +53,16 @@ class H1Body:
             raise ClientGone(f"the client left during its upload: {lost}") from None
 
 
+def parsed(request: web.BaseRequest) -> Any:
+    """aiohttp's parsed message of ``request``. Read untyped: its stub says a NamedTuple, but
+    the C parser makes its own class, which the compiled build would refuse as "not a tuple"."""
+    return getattr(request, "_message")  # noqa: B009
+
+
 def client_request(request: web.BaseRequest) -> ClientRequest:
     """The path's request for one of aiohttp's, read from its parsed message (the request's own
     properties are Python-level code around the same fields)."""
-    msg = request._message
+    msg = parsed(request)
     proto = request.protocol
     transport = request.transport
     peer = proto.peer() if isinstance(proto, GuardedRequestHandler) else transport_peer(transport)
@@ -102,7 +108,7 @@ class H1Sink:
 
     def __init__(self, request: web.BaseRequest) -> None:
         self.request = request  # what a tunnel takes over (proxy/tunnel.py)
-        msg = request._message
+        msg = parsed(request)
         self._writer = cast(StreamWriter, request._payload_writer)
         self._method = msg.method
         version = msg.version
