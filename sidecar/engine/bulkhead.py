@@ -4,7 +4,9 @@ Past it, a sequence waits at most ``queue_timeout`` (and never past its deadline
 is refused (503 overloaded). The slot is an ``asyncio.Semaphore`` permit held by a scope
 (``async with bulkhead.slot(wait)``): it is given back on every exit, and a waiter woken by a
 release but cancelled or timed out in the same loop turn hands the wake-up on (the semaphore does
-that; a hand-made waiter queue here once leaked every slot under that race).
+that; a hand-made waiter queue here once leaked every slot under that race). The uncontended
+permit is taken and given back on the semaphore's counter directly, as ``acquire`` and
+``release`` would (no waiter to wake, nothing to wait for).
 
 A reload with another ``max_concurrent`` resizes the one semaphore, and the new size applies to
 the sequences already in flight, as Envoy's limits do: a grow hands the new permits to the queue
@@ -52,8 +54,14 @@ class Bulkhead:
     def _give_back(self) -> None:
         if self._debt:
             self._debt -= 1
+            return
+        sem = self._sem
+        if not sem._waiters:
+            # Nobody waits: what ``release`` does, without its Python-level calls (every
+            # proxied request gives one back; tests/proxy/test_ownership.py holds the queue).
+            sem._value += 1
         else:
-            self._sem.release()
+            sem.release()  # wakes the head of the queue
 
 
 class Slot:
@@ -71,7 +79,11 @@ class Slot:
     async def __aenter__(self) -> None:
         bh = self._bulkhead
         sem = bh._sem
-        if sem.locked() or bh._debt:
+        if sem._value > 0 and not sem._waiters and not bh._debt:
+            # Free and nobody queued: what ``acquire`` does then (it would not yield), without
+            # its coroutine and its two ``locked`` calls, which cost more than the permit.
+            sem._value -= 1
+        elif sem.locked() or bh._debt:
             try:
                 async with asyncio.timeout(max(self._wait, 0.0)):
                     await sem.acquire()

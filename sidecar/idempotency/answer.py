@@ -1,10 +1,14 @@
-"""An answer as the guard sees it: what the app said (``Forwarded``) and what the sidecar says
-itself or replays (``Answer``)."""
+"""An answer as the guard sees it: what the app said (``Forwarded``, read from the request
+path's one outcome, ``engine.answered.Answered``, by ``forwarded_of``) and what the sidecar
+says itself or replays (``Answer``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from sidecar import outcomes
+from sidecar.engine.answered import Answered
 
 Headers = tuple[tuple[bytes, bytes], ...]
 
@@ -66,3 +70,29 @@ def not_begun(status: int, headers: Iterable[tuple[bytes, bytes]]) -> bool:
 
 def kept_headers(headers: Headers) -> Headers:
     return tuple((k, v) for k, v in headers if k.lower() not in NOT_KEPT_HEADERS)
+
+
+def forwarded_of(answered: Answered, retry_statuses: frozenset[int]) -> Forwarded:
+    """What the guard judges of a request's answer. Pure. The route would retry it (so the key
+    is released): a status in ``retry_on`` (``retry_statuses``), an answer that says the app
+    did not begin the write (``not_begun``: 408, 425, 429, an error with ``Retry-After``), an
+    answer a sidecar made itself (a connect failure, a reset, a timeout, an open breaker; an
+    inner sidecar's too), but for one that stands for the app's answer
+    (``outcomes.APP_ANSWERED``: a head it sent that cannot be relayed), which finishes the key
+    with the 502 the client got. An answer whose body broke after its head came is the app's
+    answer all the same: only its status is kept. A write the DLQ stored is not released: its
+    key is finished with the answer the client got (202 or the failure with
+    ``x-retry-dlq: stored``), so no duplicate runs it beside the DLQ's replay."""
+    stored = answered.dlq_stored
+    if not answered.from_upstream:  # the sidecar's own answer (no upstream response, a 202)
+        app_answered = answered.proxy_error in outcomes.APP_ANSWERED
+        retryable = not (stored or app_answered)
+    else:
+        status = answered.status
+        retryable = (
+            answered.upstream_error is not None
+            or status in retry_statuses
+            or not_begun(status, answered.headers)
+        )
+        retryable = retryable and not stored
+    return Forwarded(answered.status, answered.headers, answered.body, retryable)

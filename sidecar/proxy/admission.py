@@ -1,33 +1,26 @@
 """Admission: the guards a request passes before anything is sent upstream (head size, target,
 route, declared body size, expectation), who sent it and whether it is trusted, and the
-request context every later step reads (``context.RequestContext``)."""
+request context every later step reads (``context.RequestContext``). It reads the front end's
+``ClientRequest`` (``proxy/frontend.py``), whatever protocol made it."""
 
 from __future__ import annotations
 
 import ipaddress
 from typing import TYPE_CHECKING
 
-from aiohttp import web
-
 from sidecar.config.model import Config, IpNetwork
+from sidecar.config.values import Upstream
 from sidecar.proxy import forward
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.deps import ProxyDeps
-from sidecar.proxy.respond import client_error
+from sidecar.proxy.frontend import ClientRequest, ResponseSink
+from sidecar.proxy.respond import Made, refusal
 from sidecar.proxy.routing import Refused, find_route, request_target
-from sidecar.proxy.server import GuardedRequestHandler, transport_peer
 from sidecar.proxy.tunnel import upgrade_headers, upgrade_wanted
 from sidecar.telemetry.logs import RateLimit
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
-
-
-def peer_of(request: web.BaseRequest) -> str:
-    proto = request.protocol
-    if isinstance(proto, GuardedRequestHandler):
-        return proto.peer()
-    return transport_peer(request.transport)
 
 
 _TRUST_CACHE: dict[str, bool] = {}
@@ -56,69 +49,85 @@ def is_trusted(peer: str, networks: tuple[IpNetwork, ...]) -> bool:
     return trusted
 
 
+_HOSTS: dict[int, tuple[Upstream, bytes]] = {}
+
+
+def default_host(upstream: Upstream) -> bytes:
+    """The upstream's authority as a Host value, made once per upstream (its property formats
+    a string on every call). Keyed by identity: a reload makes new upstreams, and the cache is
+    bounded against their churn."""
+    hit = _HOSTS.get(id(upstream))
+    if hit is not None and hit[0] is upstream:
+        return hit[1]
+    if len(_HOSTS) >= 256:
+        _HOSTS.clear()
+    value = upstream.authority.encode()
+    _HOSTS[id(upstream)] = (upstream, value)
+    return value
+
+
 def admit(
-    request: web.BaseRequest, deps: ProxyDeps, warnings: RateLimit
-) -> RequestContext | web.StreamResponse:
+    request: ClientRequest, sink: ResponseSink, deps: ProxyDeps, warnings: RateLimit
+) -> RequestContext | Made:
     """The request's context, or the answer that refuses it (431, 400, 404, 413, 417; nothing
     sent upstream, no sequence counted). Its span starts here."""
     config: Config = deps.store.current  # one snapshot for the whole sequence
     method = request.method
-    target = request.raw_path
+    target = request.target
     raw_headers = request.raw_headers
+    fields = request.fields
     head_bytes = len(target) + sum(len(k) + len(v) + 4 for k, v in raw_headers)
     if head_bytes > config.limits.max_header_bytes:
         deps.malformed("header-too-large")
-        return client_error(
+        return refusal(
             431, f"request head of {head_bytes} bytes is over {config.limits.max_header_bytes}"
         )
-    where = request_target(method, target, request.headers.get("Host"))
+    where = request_target(method, target, fields.get("Host"))
     if isinstance(where, Refused):
-        return client_error(where.status, where.message)
+        return refusal(where.status, where.message)
     target, path = where.origin, where.path
-    route = find_route(config.routes, method, path, request.headers.get)
+    route = find_route(config.routes, method, path, fields.get)
     if route is None:
-        return client_error(404, f"no route matches {method} {path}")
+        return refusal(404, f"no route matches {method} {path}")
 
     length = request.content_length
     if length is not None and length > config.limits.max_request_body:
         deps.malformed("body-too-large")
-        return client_error(
+        return refusal(
             413, f"request body of {length} bytes is over {config.limits.max_request_body}"
         )
 
-    expect = request.headers.get("Expect")
+    expect = fields.get("Expect")
     if expect is not None and expect.lower() != "100-continue":
-        return client_error(417, f"unsupported expectation {expect!r}")
+        return refusal(417, f"unsupported expectation {expect!r}")
 
-    peer = peer_of(request)
+    peer = request.peer
     trusted = is_trusted(peer, config.trusted_peers)
-    conn = request.protocol
-    tls = conn if isinstance(conn, GuardedRequestHandler) and conn.tls is not None else None
     shared, edge, timeout_ms = forward.request_headers(
         raw_headers,
         peer,
         trusted,
-        b"http" if tls is None else b"https",
-        default_host=route.upstream.authority.encode(),
+        b"https" if request.tls else b"http",
+        default_host=default_host(route.upstream),
         authority=where.authority.encode("latin-1") if where.authority else None,
     )
-    if tls is not None and route.forward_client_cert:
-        cert = tls.client_cert()
-        if cert is not None:
-            shared.append((b"X-Forwarded-Client-Cert", cert))
-    upgrade = upgrade_wanted(request, route)  # a tunnel asked for (proxy/tunnel.py)
+    if request.client_cert is not None and route.forward_client_cert:
+        shared.append((b"X-Forwarded-Client-Cert", request.client_cert))
+    # A tunnel asked for (proxy/tunnel.py), on a route that passes upgrades.
+    upgrade = upgrade_wanted(request, route) if route.upgrade.enabled else None
     if upgrade is not None:
         shared.extend(upgrade_headers(upgrade))
     tracing = deps.tracing
     span: Span | None = None
     if tracing.enabled:
-        span = tracing.start_server(method, target, route.name, request.headers, peer)
+        span = tracing.start_server(method, target, route.name, fields, peer)
         # Our attempt spans become the parent the upstream sees: the propagators' headers
         # (traceparent, b3...) go with each attempt, the client's are dropped.
         replaced = tracing.replaced
         shared = [(k, v) for k, v in shared if k.lower() not in replaced]
     return RequestContext(
         request,
+        sink,
         deps,
         config,
         route,
@@ -132,7 +141,7 @@ def admit(
         upgrade=upgrade,
         # The low-level aiohttp server does not answer Expect itself (its router does):
         # without an answer a client waits its expect timeout (curl: 1 s) before sending.
-        expects_continue=(expect is not None and request.version == (1, 1) and request.body_exists),
+        expects_continue=(expect is not None and request.version == (1, 1) and request.has_body),
         span=span,
         start=deps.clock.monotonic(),
         warnings=warnings,

@@ -1,6 +1,9 @@
 """Reading a client's request body: buffered up to a limit (so it can be resent), streamed
 once beyond it, every read bounded by the body idle timeout.
 
+The front end gives the body as a ``frontend.RequestBody`` (``h1.H1Body`` maps aiohttp's
+errors to ``BodyMalformed`` and ``ClientGone``); nothing here names a protocol.
+
 Interpreted on purpose (not in the compiled build): ``BodyStream`` is an async iterator handed to
 the upstream side, and only uploads too large to buffer take this path.
 """
@@ -8,9 +11,10 @@ the upstream side, and only uploads too large to buffer take this path.
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
-from aiohttp import ClientPayloadError, web
-from aiohttp.http_exceptions import HttpProcessingError
+if TYPE_CHECKING:
+    from sidecar.proxy.frontend import RequestBody
 
 READ_CHUNK = 64 * 1024
 
@@ -32,24 +36,20 @@ class ClientGone(Exception):
     Not an upstream failure: it must never count as one."""
 
 
-async def _read(request: web.BaseRequest, n: int, idle: float) -> bytes:
+async def _read(body: RequestBody, n: int, idle: float) -> bytes:
     """One read of the client's body, bounded by the body idle timeout."""
     try:
         async with asyncio.timeout(idle):
-            return await request.content.read(n)
+            return await body.read(n)
     except TimeoutError:
         raise BodyStalled(f"the request body stalled for {idle:g}s") from None
-    except HttpProcessingError as exc:  # set on the body by the server (proxy/server.py)
-        raise BodyMalformed(f"the request body is malformed: {exc.message}") from None
-    except (ConnectionError, ClientPayloadError) as exc:
-        raise ClientGone(f"the client left during its upload: {exc}") from None
 
 
-async def read_prefix(request: web.BaseRequest, limit: int, idle: float) -> tuple[bytes, bool]:
+async def read_prefix(body: RequestBody, limit: int, idle: float) -> tuple[bytes, bool]:
     """Read up to limit+1 bytes: (bytes read, whether the body ended within the limit)."""
     buf = bytearray()
     while len(buf) <= limit:
-        chunk = await _read(request, limit + 1 - len(buf), idle)
+        chunk = await _read(body, limit + 1 - len(buf), idle)
         if not chunk:
             return bytes(buf), True
         buf += chunk
@@ -62,12 +62,10 @@ class BodyStream:
     A plain async iterator (not an async generator): an attempt that stops consuming it
     half-way leaves no generator to finalise, and it compiles with mypyc."""
 
-    __slots__ = ("_idle", "_max_total", "_prefix", "_request", "_total", "started")
+    __slots__ = ("_body", "_idle", "_max_total", "_prefix", "_total", "started")
 
-    def __init__(
-        self, request: web.BaseRequest, prefix: bytes, max_total: int, idle: float
-    ) -> None:
-        self._request = request
+    def __init__(self, body: RequestBody, prefix: bytes, max_total: int, idle: float) -> None:
+        self._body = body
         self._prefix: bytes | None = prefix
         self._total = len(prefix)
         self._max_total = max_total
@@ -82,7 +80,7 @@ class BodyStream:
         if self._prefix is not None:
             prefix, self._prefix = self._prefix, None
             return prefix
-        chunk = await _read(self._request, READ_CHUNK, self._idle)
+        chunk = await _read(self._body, READ_CHUNK, self._idle)
         if not chunk:
             raise StopAsyncIteration
         self._total += len(chunk)

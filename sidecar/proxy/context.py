@@ -1,9 +1,12 @@
-"""One proxied request as every step of it sees it: the request, its route and config snapshot,
-who sent it, when it started, its span, the headers that go upstream; and how it ends (counted
-once, its span ended).
+"""One proxied request as every step of it sees it: the front end's request (``ClientRequest``)
+and the sink its answer goes out through (``ResponseSink``), its route and config snapshot, when
+it started, its span, the headers that go upstream; and how it ends (``end``: counted once, its
+span ended, from the one ``Answered`` that says what the client got).
 
 ``admission.admit`` makes it once the request passed the guards; body intake, the sequence
 run, the DLQ hand-off and the answer relay each take it instead of a dozen loose arguments.
+Each returns the request's ``Answered``; the handler ends the request with it, in one place
+(and a tunnel at its 101: ``proxy/tunnel.py``).
 Its fields are set once, when it is made (``headers`` is one list that body intake extends
 with the framing headers before the first attempt; nothing replaces it).
 
@@ -20,12 +23,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from aiohttp import web
-
 from sidecar.config.model import Config, Route
-from sidecar.core import Fate
+from sidecar.engine.answered import Answered
 from sidecar.proxy.deps import ProxyDeps
-from sidecar.proxy.held import HeldAnswer
+from sidecar.proxy.frontend import ClientRequest, ResponseSink
 from sidecar.retry.deadline import Deadline, parse_timeout_ms
 from sidecar.telemetry.events import SequenceEnded
 from sidecar.telemetry.logs import TRACE, RateLimit
@@ -34,9 +35,6 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
 log = logging.getLogger("sidecar.proxy")
-
-# nginx's status for "client closed the request", in metrics, logs and the span.
-CLIENT_CLOSED = 499
 
 
 class RequestContext:
@@ -51,9 +49,9 @@ class RequestContext:
         "ended",
         "expects_continue",
         "headers",
-        "held",
         "request",
         "route",
+        "sink",
         "span",
         "start",
         "target",
@@ -66,7 +64,8 @@ class RequestContext:
     # An explicit __init__ (no @dataclass): mypyc compiles it; one is made per request.
     def __init__(
         self,
-        request: web.BaseRequest,
+        request: ClientRequest,
+        sink: ResponseSink,
         deps: ProxyDeps,
         config: Config,
         route: Route,
@@ -83,6 +82,7 @@ class RequestContext:
         warnings: RateLimit,
     ) -> None:
         self.request = request
+        self.sink = sink  # where the answer goes (a guarded write's: held, proxy/held.py)
         self.deps = deps
         self.config = config  # one snapshot for the whole sequence
         self.route = route
@@ -101,72 +101,43 @@ class RequestContext:
             parse_timeout_ms(timeout_ms.decode("latin-1") if timeout_ms is not None else None),
         )
         self.warnings = warnings  # the handler's rate limit for upstream warnings
-        # A guarded write's answer, held until its key is settled (proxy/guarded.py); None:
-        # relayed at once, as every other answer.
-        self.held: HeldAnswer | None = None
-        # Counted once: a guarded write whose client left runs on and may end after its
-        # handler counted it client-gone (proxy/detached.py).
+        # Counted once: a tunnel is counted at its 101, before its handler returns.
         self.ended = False
-        self.upstream = ""  # the endpoint whose answer is relayed, for the access log
 
     @property
     def method(self) -> str:
         return self.request.method
 
-    def finish(
-        self,
-        resp: web.StreamResponse,
-        fate: Fate | str,
-        attempts: int,
-        *,
-        proxy_error_code: str | None = None,
-    ) -> web.StreamResponse:
-        """The request ends with ``resp``: its span ended, ``SequenceEnded`` to the sinks."""
+    def end(self, answered: Answered) -> None:
+        """The request ends with ``answered``: its span ended, ``SequenceEnded`` to the sinks."""
         if self.ended:
-            return resp
+            return
         self.ended = True
         deps = self.deps
         trace_id: str | None = None
         if self.span is not None:
-            deps.tracing.end_server(self.span, resp.status, str(fate), attempts, proxy_error_code)
+            deps.tracing.end_server(
+                self.span,
+                answered.status,
+                answered.fate,
+                answered.attempts,
+                answered.proxy_error,
+            )
             ids = TRACE.get()
             trace_id = ids[0] if ids is not None else None
         deps.events.sequence_ended(
             SequenceEnded(
                 self.route.name,
                 self.request.method,
-                str(fate),
-                attempts,
+                answered.fate,
+                answered.attempts,
                 deps.clock.monotonic() - self.start,
-                resp.status,
-                proxy_error=proxy_error_code,
+                answered.status,
+                proxy_error=answered.proxy_error,
                 target=self.target,
-                upstream=self.upstream,
-                sent=resp.body_length,
+                upstream=answered.endpoint,
+                sent=answered.sent,
                 trace_id=trace_id,
-            )
-        )
-        return resp
-
-    def gone(self) -> None:
-        """The client left before its answer: nobody to answer, nothing to blame upstream for."""
-        if self.ended:
-            return
-        self.ended = True
-        deps = self.deps
-        if self.span is not None:
-            deps.tracing.end_server(self.span, CLIENT_CLOSED, Fate.CLIENT_GONE.value, 0)
-        deps.events.sequence_ended(
-            SequenceEnded(
-                self.route.name,
-                self.request.method,
-                Fate.CLIENT_GONE.value,
-                0,
-                deps.clock.monotonic() - self.start,
-                CLIENT_CLOSED,
-                proxy_error=None,
-                target=self.target,
-                upstream=self.upstream,
             )
         )
 

@@ -1,5 +1,8 @@
 """The proxy handler: one request, step by step, each step in a module named for it.
 
+0. the front end (``h1``: HTTP/1.1 on aiohttp's server) makes the request a ``ClientRequest``
+   and gives the ``ResponseSink`` its answer goes out through (``frontend``);
+
 1. ``admission``: the guards (head size, target, route, body size, expectation) and the
    request context every later step reads (``context``);
 2. ``intake``: the body, buffered to be resent or streamed once;
@@ -7,7 +10,10 @@
    stores a failed write in the DLQ first, and ``tunnel`` joins an upgraded connection; a write
    its route guards with an ``Idempotency-Key`` runs it through the guard (``guarded``).
 
-This module maps what a step raises to the client's answer and counts how the request ended.
+Each step gives back the request's one ``Answered`` (``engine/answered.py``): what the client
+got. This module maps what a step raises to the client's answer and ends the request with its
+``Answered``, here and nowhere else (counted, its span ended: ``RequestContext.end``; a tunnel
+is counted at its 101).
 Routing and header rules are pure functions in ``routing`` and ``forward``; retry judgement is
 in ``sidecar.retry``; upstream I/O is in ``sidecar.upstream``.
 """
@@ -16,24 +22,37 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import cast
 
 from aiohttp import web
 
 from sidecar import outcomes
 from sidecar.core import Fate
+from sidecar.engine.answered import Answered, client_gone
 from sidecar.proxy.admission import admit
 from sidecar.proxy.body import BodyMalformed, BodyStalled, BodyTooLarge, ClientGone
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.deps import ProxyDeps
+from sidecar.proxy.frontend import ClientRequest, ResponseSink
 from sidecar.proxy.guarded import guards, run_guarded, too_large
+from sidecar.proxy.h1 import H1Sink, client_request
 from sidecar.proxy.intake import no_body, read_body
-from sidecar.proxy.relay import cut_transport
-from sidecar.proxy.respond import client_error, own_answer
+from sidecar.proxy.respond import Made, own_answer, refusal, send_made
 from sidecar.proxy.run import run_sequence
 from sidecar.proxy.server import GuardedRequestHandler
 from sidecar.telemetry.logs import RateLimit
 
 log = logging.getLogger("sidecar.proxy")
+
+
+def _refuse(sink: ResponseSink, made: Made, *, close: bool = False) -> Answered:
+    """An answer the sidecar makes itself as a step ended: client-gone if it cannot be
+    written (the client's close came before this write)."""
+    try:
+        return send_made(sink, made, Fate.NOT_RETRYABLE, 0, close=close)
+    except ConnectionError:
+        sink.abort()
+        return client_gone()
 
 
 class ProxyHandler:
@@ -43,8 +62,9 @@ class ProxyHandler:
         self._upstream_errors = RateLimit(per_interval=10, interval=60.0)
 
     async def __call__(self, request: web.BaseRequest) -> web.StreamResponse:
+        sink = H1Sink(request)
         try:
-            return await self._handle(request)
+            await self._handle(client_request(request), sink)
         except (ConnectionError, asyncio.CancelledError):
             raise
         except Exception:
@@ -52,64 +72,74 @@ class ProxyHandler:
             # never a traceback per request, one bounded log line and a clean 502.
             if self._internal_errors.allow():
                 log.exception("internal error while proxying %s", request.method)
-            return own_answer(outcomes.INTERNAL, Fate.EXHAUSTED, 0)
+            send_made(sink, own_answer(outcomes.INTERNAL, Fate.EXHAUSTED, 0), Fate.EXHAUSTED, 0)
         finally:
             proto = request.protocol
             if isinstance(proto, GuardedRequestHandler):
                 proto.request_done()
+        # aiohttp asks the response it is given for prepare, write_eof and keep_alive only:
+        # the sink has written the answer already (proxy/h1.py).
+        return cast(web.StreamResponse, sink)
 
-    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        ctx = admit(request, self.deps, self._upstream_errors)
+    async def _handle(self, request: ClientRequest, sink: ResponseSink) -> None:
+        ctx = admit(request, sink, self.deps, self._upstream_errors)
         if not isinstance(ctx, RequestContext):
-            return ctx  # refused before any sequence
+            # Refused before any sequence: not counted as a request of a route.
+            send_made(sink, ctx, Fate.NOT_RETRYABLE, 0)
+            return
+        deps = self.deps
         try:
-            if guards(ctx):  # a write its route guards with an Idempotency-Key
-                length = request.content_length
-                if length is not None and length > ctx.route.retry.max_body_bytes:
-                    return too_large(ctx)
-                intake = await read_body(ctx) if request.body_exists else no_body(ctx)
-                if not intake.replayable:  # not buffered whole: no fingerprint
-                    return too_large(ctx)
-                return await run_guarded(ctx, intake)
-            intake = await read_body(ctx) if request.body_exists else no_body(ctx)
-            return await run_sequence(ctx, intake)
+            answered = await self._steps(ctx, request)
         except BodyTooLarge as exc:
-            self.deps.malformed("body-too-large")
-            resp413 = client_error(413, str(exc))
-            resp413.force_close()  # the rest of the body is not read
-            return ctx.finish(resp413, Fate.NOT_RETRYABLE, 0)
+            deps.malformed("body-too-large")
+            # The rest of the body is not read: the connection closes after the answer.
+            answered = _refuse(sink, refusal(413, str(exc)), close=True)
         except BodyStalled as stalled:  # not "exc": see tests/integration/test_build.py (mypyc)
-            self.deps.malformed("body-timeout")
-            resp408 = client_error(408, str(stalled))
-            resp408.force_close()
-            return ctx.finish(resp408, Fate.NOT_RETRYABLE, 0)
+            deps.malformed("body-timeout")
+            answered = _refuse(sink, refusal(408, str(stalled)), close=True)
         except BodyMalformed as malformed:
-            self.deps.malformed("malformed")
-            resp400 = client_error(400, str(malformed))
-            resp400.force_close()  # the connection's framing is lost
-            return ctx.finish(resp400, Fate.NOT_RETRYABLE, 0)
+            deps.malformed("malformed")
+            # The connection's framing is lost.
+            answered = _refuse(sink, refusal(400, str(malformed)), close=True)
         except ClientGone:
             # The client aborted its upload: nobody to answer, nothing to blame upstream for.
-            ctx.gone()
-            cut_transport(request)
-            return client_error(400, "the request body did not arrive whole")
+            sink.abort()
+            answered = client_gone()
         except asyncio.CancelledError:
             # aiohttp cancels the handler when the client's connection is lost: every scope
             # below has given back what it held; count it and let the cancellation go on.
-            ctx.gone()
+            ctx.end(client_gone())
             raise
         except ConnectionError:
             # A write to the client (100 Continue, a relayed 1xx, a whole answer written at
             # once) found its transport closing: its close arrived before aiohttp's
             # cancellation of this handler (a loop turn later). The same client that left;
             # every scope below has given back what it held.
-            ctx.gone()
-            cut_transport(request)
-            return client_error(400, "the client closed the connection")
+            sink.abort()
+            answered = client_gone()
         except Exception:
             # A bug must not become a traceback per request: one bounded log line, a clean 502,
             # and the request still counted and its span ended.
             if self._internal_errors.allow():
                 log.exception("internal error while proxying %s", request.method)
-            resp = own_answer(outcomes.INTERNAL, Fate.EXHAUSTED, 0)
-            return ctx.finish(resp, Fate.EXHAUSTED, 0, proxy_error_code=outcomes.INTERNAL.code)
+            made = own_answer(outcomes.INTERNAL, Fate.EXHAUSTED, 0)
+            try:
+                answered = send_made(
+                    sink, made, Fate.EXHAUSTED, 0, proxy_error=outcomes.INTERNAL.code
+                )
+            except ConnectionError:
+                sink.abort()
+                answered = client_gone()
+        ctx.end(answered)
+
+    async def _steps(self, ctx: RequestContext, request: ClientRequest) -> Answered:
+        if ctx.route.idempotency.enabled and guards(ctx):  # a write its route guards
+            length = request.content_length
+            if length is not None and length > ctx.route.retry.max_body_bytes:
+                return too_large(ctx)
+            intake = await read_body(ctx) if request.has_body else no_body(ctx)
+            if not intake.replayable:  # not buffered whole: no fingerprint
+                return too_large(ctx)
+            return await run_guarded(ctx, intake)
+        intake = await read_body(ctx) if request.has_body else no_body(ctx)
+        return await run_sequence(ctx, intake, ctx.sink)

@@ -8,16 +8,16 @@ from __future__ import annotations
 import json
 import math
 
-from aiohttp import web
-
 from sidecar import outcomes
 from sidecar.core import Fate
 from sidecar.dlq.capture import capture
 from sidecar.dlq.record import WRITE_METHODS, KeptBody
+from sidecar.engine.answered import Answered
 from sidecar.engine.sequence import Sequence
 from sidecar.proxy.context import RequestContext
-from sidecar.proxy.relay import answer, dlq_headers
-from sidecar.proxy.respond import SidecarResponse, own_answer, proxy_status
+from sidecar.proxy.frontend import ResponseSink
+from sidecar.proxy.relay import answer, dlq_fields
+from sidecar.proxy.respond import Made, own_answer, proxy_status, send_made
 from sidecar.upstream.client import Body
 
 
@@ -26,7 +26,7 @@ def wants_capture(ctx: RequestContext) -> bool:
     return ctx.route.dlq.enabled and ctx.request.method in WRITE_METHODS
 
 
-async def respond(ctx: RequestContext, seq: Sequence, body: Body) -> web.StreamResponse:
+async def respond(ctx: RequestContext, sink: ResponseSink, seq: Sequence, body: Body) -> Answered:
     """The answer to the client, given inside the sequence's scope: the upstream response
     is relayed while the scope still owns it."""
     route = ctx.route
@@ -57,34 +57,35 @@ async def respond(ctx: RequestContext, seq: Sequence, body: Body) -> web.StreamR
     if captured is not None and ctx.span is not None:
         ctx.deps.tracing.dlq_captured(ctx.span, captured.header, captured.record_id)
     if captured is not None and captured.record_id and route.dlq.respond == "accepted":
-        return ctx.finish(accepted(captured.record_id, fate, attempts), fate, attempts)
+        return send_made(sink, accepted(captured.record_id, fate, attempts), fate, attempts)
     if result is None:
-        resp = own_answer(
+        made = own_answer(
             outcomes.BREAKER_OPEN,
             fate,
             0,
             message=f"circuit breaker of route {route.name} is open",
         )
-        resp.headers["Retry-After"] = str(max(1, math.ceil(seq.refused_for)))
+        retry_after = b"%d" % max(1, math.ceil(seq.refused_for))
+        made = made.plus([(b"Retry-After", retry_after), *dlq_fields(captured)])
         if ctx.span is not None:
             ctx.deps.tracing.breaker_refused(ctx.span, seq.refused_for)
-        dlq_headers(resp, captured)
-        return ctx.finish(resp, fate, 0, proxy_error_code=outcomes.BREAKER_OPEN.code)
-    return await answer(ctx, result, seq, captured=captured)
+        return send_made(sink, made, fate, 0, proxy_error=outcomes.BREAKER_OPEN.code)
+    return await answer(ctx, sink, result, seq, captured=captured)
 
 
-def accepted(record_id: str, fate: Fate, attempts: int) -> web.Response:
+def accepted(record_id: str, fate: Fate, attempts: int) -> Made:
     """``respond: accepted``: 202 only once the record is durable on disk. Made by the sidecar
     itself, so it names itself in Proxy-Status (no error) and carries no Server banner."""
-    return SidecarResponse(
-        status=202,
-        body=json.dumps({"dlq_id": record_id}).encode(),
-        headers={
-            "Content-Type": "application/json",
-            "Proxy-Status": proxy_status(),
-            "x-retry-attempts": str(attempts),
-            "x-retry-fate": fate.value,
-            "x-retry-dlq": "stored",
-            "x-retry-dlq-id": record_id,
-        },
+    rid = record_id.encode("latin-1")
+    return Made(
+        202,
+        [
+            (b"Content-Type", b"application/json"),
+            (b"Proxy-Status", proxy_status().encode("latin-1")),
+            (b"x-retry-attempts", b"%d" % attempts),
+            (b"x-retry-fate", fate.value.encode("latin-1")),
+            (b"x-retry-dlq", b"stored"),
+            (b"x-retry-dlq-id", rid),
+        ],
+        json.dumps({"dlq_id": record_id}).encode(),
     )

@@ -8,8 +8,6 @@ from sidecar.proxy.body import BodyStream, BodyTooLarge, read_prefix
 from sidecar.proxy.context import RequestContext
 from sidecar.upstream.client import Body
 
-CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-
 
 class Intake:
     """The body as the sequence sends it."""
@@ -34,12 +32,12 @@ async def read_body(ctx: RequestContext) -> Intake:
     ``ClientGone`` (``proxy/body.py``), which the handler answers."""
     request = ctx.request
     if ctx.expects_continue:
-        await request.writer.write(CONTINUE)
+        await ctx.sink.interim(100, [])
     limits = ctx.config.limits
     idle = limits.body_idle_timeout
     max_total = limits.max_request_body
     limit = min(ctx.route.retry.max_body_bytes, max_total)
-    prefix, ended = await read_prefix(request, limit, idle)
+    prefix, ended = await read_prefix(request.body, limit, idle)
     if len(prefix) > max_total:  # a chunked body (no Content-Length to refuse early)
         raise BodyTooLarge(f"request body over {max_total} bytes")
     shared = ctx.headers
@@ -47,7 +45,7 @@ async def read_body(ctx: RequestContext) -> Intake:
         ctx.deadline.restart(ctx.deps.clock.monotonic())  # the request is received: from now
         shared.append((b"Content-Length", str(len(prefix)).encode()))
         return Intake(prefix, False, ctx.upgrade is None)
-    stream = BodyStream(request, prefix, max_total, idle)
+    stream = BodyStream(request.body, prefix, max_total, idle)
     length = request.content_length
     if length is not None:
         shared.append((b"Content-Length", str(length).encode()))

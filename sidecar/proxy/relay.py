@@ -1,63 +1,61 @@
-"""The answer to the client once the sequence has a result: the upstream's response relayed
-(its 1xx first, then the head, then the body, within ``stream_idle_timeout`` per read), or the
-sidecar's own error answer when no response came. Runs inside the sequence's scope, which
-still owns the upstream response."""
+"""The answer to the client once the sequence has a result, written through the request's
+``ResponseSink`` (``proxy/frontend.py``): the upstream's response relayed (its 1xx first, then
+the head, then the body, within ``stream_idle_timeout`` per read), or the sidecar's own error
+answer when no response came. Runs inside the sequence's scope, which still owns the upstream
+response. Returns the request's one ``Answered``."""
 
 from __future__ import annotations
-
-from aiohttp import web
-from aiohttp.http import HttpVersion11
 
 from sidecar import outcomes
 from sidecar.core import Fate, NoTimeLeft, RetryStopped, UpstreamError
 from sidecar.dlq.capture import Captured
+from sidecar.engine.answered import Answered
 from sidecar.engine.loop import SequenceResult
 from sidecar.engine.sequence import Sequence
 from sidecar.proxy import forward
 from sidecar.proxy.context import RequestContext
-from sidecar.proxy.respond import ProxyResponse, interim_head, own_answer
+from sidecar.proxy.frontend import Head, RawHeaders, ResponseSink
+from sidecar.proxy.respond import own_answer, send_made
 from sidecar.upstream.client import UpstreamResponse
 
 # The fate label (metrics, logs) of a response whose upstream broke after its head went out:
 # the client saw x-retry-fate: success in the head, but it is not counted as one.
 BODY_BROKEN = "body-broken"
-FULL_RESPONSE_MAX = 64 * 1024  # complete bodies up to this go out in one write
 
 
-def own_headers(result: SequenceResult, captured: Captured | None) -> list[tuple[bytes, bytes]]:
+def own_headers(result: SequenceResult, captured: Captured | None) -> RawHeaders:
     """The sidecar's own headers on a relayed response."""
     own = [
         (b"x-retry-attempts", b"%d" % result.attempts),
-        (b"x-retry-fate", result.fate.value.encode()),
+        (b"x-retry-fate", result.fate.encode()),  # a StrEnum: the str is its value
     ]
     if result.hedges:
         own.append((b"x-retry-hedges", b"%d" % result.hedges))
-    if captured is not None:
-        own.append((b"x-retry-dlq", captured.header.encode()))
-        if captured.record_id is not None:
-            own.append((b"x-retry-dlq-id", captured.record_id.encode()))
-    return own
+    return own + dlq_fields(captured) if captured is not None else own
 
 
-def dlq_headers(resp: web.StreamResponse, captured: Captured | None) -> None:
-    """The DLQ's headers on an answer the sidecar makes itself."""
-    if captured is not None:
-        resp.headers["x-retry-dlq"] = captured.header
-        if captured.record_id is not None:
-            resp.headers["x-retry-dlq-id"] = captured.record_id
+def dlq_fields(captured: Captured | None) -> RawHeaders:
+    """The DLQ's fields on an answer: what it did with the write, and the record's id."""
+    if captured is None:
+        return []
+    fields = [(b"x-retry-dlq", captured.header.encode("latin-1"))]
+    if captured.record_id is not None:
+        fields.append((b"x-retry-dlq-id", captured.record_id.encode("latin-1")))
+    return fields
 
 
 async def answer(
     ctx: RequestContext,
+    sink: ResponseSink,
     result: SequenceResult,
     seq: Sequence,
     *,
     captured: Captured | None,
-) -> web.StreamResponse:
+) -> Answered:
     """The upstream's response relayed, or the error answer for a sequence that has none."""
     up = result.response
     if up is not None:
-        return await stream(ctx, result, up, seq, captured=captured)
+        return await stream(ctx, sink, result, up, seq, captured=captured)
     fate = result.fate
     err = result.error
     assert err is not None
@@ -70,128 +68,114 @@ async def answer(
         # is deadline): its per-try timeout ended it, say waiting for a connection.
         row = outcomes.PER_TRY_TIMEOUT
     received = err.received_status if isinstance(err, RetryStopped) else None
-    resp = own_answer(row, fate, result.attempts, error_type, received_status=received)
-    dlq_headers(resp, captured)
-    return ctx.finish(resp, fate, result.attempts, proxy_error_code=row.code)
+    made = own_answer(row, fate, result.attempts, error_type, received_status=received)
+    if captured is not None:
+        made = made.plus(dlq_fields(captured))
+    return send_made(sink, made, fate, result.attempts, proxy_error=row.code)
 
 
 async def stream(
     ctx: RequestContext,
+    sink: ResponseSink,
     result: SequenceResult,
     up: UpstreamResponse,
     seq: Sequence,
     *,
     captured: Captured | None,
-) -> web.StreamResponse:
-    """Relay the upstream's response: whole in one write when it is already here and small,
-    else head first and the body as it comes."""
-    request = ctx.request
-    ctx.upstream = up.endpoint
-    held = ctx.held
-    if held is not None:  # the head came: from here on the app has acted (proxy/guarded.py)
-        held.status = up.status
-        held.headers = forward.response_headers(up.headers)
-        held.made_by_sidecar = up.proxy_error is not None
+) -> Answered:
+    """Relay the upstream's response: whole in one write when it is already here and the sink
+    takes it whole, else head first and the body as it comes."""
     if up.extra_data:
         ctx.upstream_warning("upstream sent more data after a complete response")
-    if up.interim and request.version >= HttpVersion11:
-        # RFC 9110 section 15.2: a proxy forwards 1xx responses (never to HTTP/1.0).
-        # They go out in their order, just before the final response.
-        for status, headers in up.interim:
-            await request.writer.write(interim_head(status, forward.response_headers(headers)))
-    idle = ctx.route.stream_idle_timeout
-    whole = up.complete and (held is not None or up.buffered_bytes <= FULL_RESPONSE_MAX)
-    raw = held.headers if held is not None else forward.response_headers(up.headers)
-    resp = ProxyResponse(
-        up.status, raw, own_headers(result, captured), up.content_length, flush_head=not whole
+    for status, fields in up.interim:
+        # RFC 9110 section 15.2: a proxy forwards 1xx responses, in their order, just before
+        # the final response (the sink knows where the protocol has none).
+        await sink.interim(status, forward.response_headers(fields))
+    raw = forward.response_headers(up.headers)
+    head = Head(
+        up.status,
+        raw,
+        own_headers(result, captured),
+        up.content_length,
+        from_upstream=True,
+        upstream_error=up.proxy_error,
     )
-    ahead: bytes | None = None  # a guarded write's body read ahead (proxy/held.py)
-    if held is not None:
-        held.captured = captured
-        if not whole and up.has_body:
-            try:
-                ahead, whole = await held.read(up, idle)
-            except UpstreamError as exc:
-                return _broken_ahead(ctx, result, up, resp, seq, exc)
-            except BaseException:
-                up.discard()
-                raise
-        whole = whole or not up.has_body
-    if whole:
+    # What a duplicate of a guarded write is told: the app's fields and the DLQ's.
+    kept = (*raw, *dlq_fields(captured)) if captured is not None else tuple(raw)
+    fate: str = result.fate  # a StrEnum: no .value lookup per request
+    attempts = result.attempts
+    if not up.has_body or (up.complete and up.buffered_bytes <= sink.whole_limit):
         # The whole body is already here (the common small response): one write.
-        if ahead is None:
-            ahead = up.take_body() if up.has_body else b""
-        body = ahead
+        body = up.take_body() if up.has_body else b""
         up.release()
-        if held is not None:  # sent once its key is settled (proxy/guarded.py)
-            held.hold(resp, raw, body, fate=result.fate, attempts=result.attempts)
-            return resp
         # A client whose close came before this write (ConnectionError) is counted
         # client-gone by the handler, as every write to a client that left.
-        resp.send_whole(request, body)
-        return ctx.finish(resp, result.fate, result.attempts)
-    broken: UpstreamError | None = None
-    gone = False
-    if held is not None:
-        held.streamed = True
-        resp._send_headers_immediately = True
+        sink.whole(head, body)
+        return _answered(up, kept, fate, attempts, body, captured=captured, sent=sink.sent)
+    idle = ctx.route.stream_idle_timeout
     try:
-        await resp.prepare(request)
-        if ahead:
-            await resp.write(ahead)
-        if up.has_body:
-            while True:
-                chunk = await up.read_chunk(idle)
-                if not chunk:
-                    break
-                await resp.write(chunk)
+        await sink.start(head)
+        while True:
+            chunk = await up.read_chunk(idle)
+            if not chunk:
+                break
+            await sink.write(chunk)
         up.release()
-        await resp.write_eof()
+        await sink.end()
     except UpstreamError as exc:
         # The upstream broke after the head went out: the client must see a broken
         # response (connection cut, no terminating chunk), never a truncated whole one.
         up.discard()
         seq.body_failed()  # the breaker hears of it: one failed sequence
-        broken = exc
-        resp.force_close()
-        cut_transport(request)
-    except (ConnectionError, OSError):
-        up.discard()  # the client went away (its close came before the cancellation)
-        gone = True
+        sink.abort()
+        # Not a success: counted under its own fate, logged (rate-limited) as nginx does.
+        ctx.upstream_warning(f"upstream response broke mid-body ({exc.code}): {exc}")
+        return Answered(
+            up.status,
+            kept,
+            BODY_BROKEN,
+            attempts,
+            proxy_error=exc.code,
+            from_upstream=True,
+            upstream_error=up.proxy_error,
+            dlq=captured.header if captured is not None else None,
+            dlq_id=captured.record_id if captured is not None else None,
+            sent=sink.sent,
+            endpoint=up.endpoint,
+        )
+    except OSError as lost:
+        # The client went away (its close came before the cancellation): the handler counts
+        # it client-gone.
+        up.discard()
+        if isinstance(lost, ConnectionError):
+            raise
+        raise ConnectionResetError(str(lost)) from lost
     except BaseException:
         up.discard()
         raise
-    if broken is not None:
-        # Not a success: counted under its own fate, logged (rate-limited) as nginx does.
-        ctx.upstream_warning(f"upstream response broke mid-body ({broken.code}): {broken}")
-        return ctx.finish(resp, BODY_BROKEN, result.attempts, proxy_error_code=broken.code)
-    if gone:
-        ctx.gone()
-        return resp
-    return ctx.finish(resp, result.fate, result.attempts)
+    return _answered(up, kept, fate, attempts, None, captured=captured, sent=sink.sent)
 
 
-def _broken_ahead(
-    ctx: RequestContext,
-    result: SequenceResult,
+def _answered(
     up: UpstreamResponse,
-    resp: ProxyResponse,
-    seq: Sequence,
-    exc: UpstreamError,
-) -> web.StreamResponse:
-    """A guarded write's upstream broke while its body was read ahead, before anything went
-    to the client: as for any response broken mid-body, the client's connection is cut."""
-    assert ctx.held is not None
-    up.discard()
-    seq.body_failed()
-    ctx.held.broken = True
-    resp.force_close()
-    cut_transport(ctx.request)
-    ctx.upstream_warning(f"upstream response broke mid-body ({exc.code}): {exc}")
-    return ctx.finish(resp, BODY_BROKEN, result.attempts, proxy_error_code=exc.code)
-
-
-def cut_transport(request: web.BaseRequest) -> None:
-    transport = request.transport
-    if transport is not None:
-        transport.abort()
+    kept: tuple[tuple[bytes, bytes], ...],
+    fate: str,
+    attempts: int,
+    body: bytes | None,
+    *,
+    captured: Captured | None,
+    sent: int,
+) -> Answered:
+    return Answered(
+        up.status,
+        kept,
+        fate,
+        attempts,
+        body=body,
+        from_upstream=True,
+        upstream_error=up.proxy_error,
+        dlq=captured.header if captured is not None else None,
+        dlq_id=captured.record_id if captured is not None else None,
+        sent=sent,
+        endpoint=up.endpoint,
+    )

@@ -1,13 +1,15 @@
 """The sequence run: the request's deadline and idempotency, the ``Exchange`` the engine
 sends, and the ``Sequence`` scope around the answer (a tunnel opened, the upstream's response
-relayed, or the DLQ hand-off and the sidecar's own answer)."""
+relayed, or the DLQ hand-off and the sidecar's own answer), written through ``sink`` (the
+front end's, or a guarded write's held one: ``proxy/held.py``)."""
 
 from __future__ import annotations
 
-from aiohttp import web
-
+from sidecar.engine.answered import Answered
 from sidecar.engine.sequence import Exchange, Sequence
 from sidecar.proxy.context import RequestContext
+from sidecar.proxy.frontend import ResponseSink
+from sidecar.proxy.h1 import H1Sink
 from sidecar.proxy.handoff import respond, wants_capture
 from sidecar.proxy.intake import Intake
 from sidecar.proxy.relay import own_headers, stream
@@ -38,7 +40,7 @@ def exchange_of(ctx: RequestContext, intake: Intake) -> Exchange:
     )
 
 
-async def run_sequence(ctx: RequestContext, intake: Intake) -> web.StreamResponse:
+async def run_sequence(ctx: RequestContext, intake: Intake, sink: ResponseSink) -> Answered:
     deps = ctx.deps
     async with Sequence(deps, ctx.config.name.encode(), exchange_of(ctx, intake)) as seq:
         result = seq.result
@@ -46,18 +48,24 @@ async def run_sequence(ctx: RequestContext, intake: Intake) -> web.StreamRespons
         if upgrade is not None:
             up = result.response if result is not None else None
             if result is not None and up is not None and switched(up):
+                # An upgrade is asked for on HTTP/1.1 only (tunnel.upgrade_wanted): the tunnel
+                # takes the HTTP/1.1 front end's connection over (never a held answer).
+                front = ctx.sink
+                assert isinstance(front, H1Sink)
                 return await relay(
-                    ctx.request,
+                    front,
                     ctx.route,
                     up,
                     upgrade,
                     own_headers(result, None),
                     deps.tunnels,
-                    opened=lambda resp: ctx.finish(resp, result.fate, result.attempts),
+                    opened=ctx.end,
+                    fate=result.fate.value,
+                    attempts=result.attempts,
                 )
             not_opened(deps.tunnels, ctx.route, up)
         if result is not None and result.response is not None and not wants_capture(ctx):
             # The common case (an upstream answer, no DLQ to consult) goes straight to the
             # relay: two coroutines less per request than through respond and answer.
-            return await stream(ctx, result, result.response, seq, captured=None)
-        return await respond(ctx, seq, intake.body)
+            return await stream(ctx, sink, result, result.response, seq, captured=None)
+        return await respond(ctx, sink, seq, intake.body)

@@ -22,12 +22,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from aiohttp import web
-from aiohttp.http import HttpVersion11
-
 from sidecar.config.model import Route
+from sidecar.engine.answered import Answered, client_gone
 from sidecar.proxy import forward
-from sidecar.proxy.respond import ProxyResponse
+from sidecar.proxy.frontend import ClientRequest, Head
+from sidecar.proxy.h1 import H1Sink
 from sidecar.proxy.server import GuardedRequestHandler
 from sidecar.upstream.client import UpstreamResponse
 
@@ -59,17 +58,17 @@ class Tunnels:
         self.ended(route, result)
 
 
-def upgrade_wanted(request: web.BaseRequest, route: Route) -> bytes | None:
+def upgrade_wanted(request: ClientRequest, route: Route) -> bytes | None:
     """The ``Upgrade`` value of a request that asks for a tunnel on ``route``, else None.
     HTTP/1.0 upgrades are ignored (RFC 9110 section 7.8), as are those with a body: the
     body framing and the switch would share one connection; and any that offers ``h2c``."""
-    if not route.upgrade.enabled or request.version != HttpVersion11 or request.body_exists:
+    if not route.upgrade.enabled or request.version != (1, 1) or request.has_body:
         return None
-    value = request.headers.get("Upgrade")
+    value = request.fields.get("Upgrade")
     if not value or not value.strip() or asks_h2c(value):
         return None
     named = forward.connection_named(
-        (b"connection", v.encode("latin-1")) for v in request.headers.getall("Connection", ())
+        (b"connection", v.encode("latin-1")) for v in request.fields.getall("Connection", ())
     )
     if b"upgrade" not in named:
         return None
@@ -231,31 +230,35 @@ def not_opened(tunnels: Tunnels, route: Route, up: UpstreamResponse | None) -> N
 
 
 async def relay(
-    request: web.BaseRequest,
+    sink: H1Sink,
     route: Route,
     up: UpstreamResponse,
     value: bytes,
     own: list[tuple[bytes, bytes]],
     tunnels: Tunnels,
     *,
-    opened: Callable[[web.StreamResponse], object],
-) -> web.StreamResponse:
+    opened: Callable[[Answered], object],
+    fate: str,
+    attempts: int,
+) -> Answered:
     """Relay the upstream's 101 and join the connections until the tunnel ends. ``opened``
     is called once the 101 is out (the request is counted then, not at the tunnel's end)."""
+    request = sink.request
     proto = request.protocol
     client = request.transport
     upstream, tail = up.detach()
     headers = forward.response_headers(up.headers)
-    resp = ProxyResponse(101, headers + upgrade_headers(value), own, None, flush_head=True)
+    head = Head(101, headers + upgrade_headers(value), own, None)
+    resp = Answered(101, tuple(headers), fate, attempts, from_upstream=True, endpoint=up.endpoint)
     tunnels.started(route.name)
     result = CUT
     tunnel: Tunnel | None = None
     try:
         if client is None or client.is_closing() or not isinstance(proto, GuardedRequestHandler):
             result = RESET
-            return resp
-        await resp.prepare(request)
-        resp.force_close()  # the client connection is the tunnel's: never reused after it
+            return client_gone()
+        await sink.start(head)
+        sink.hand_over()  # the client connection is the tunnel's: never reused after it
         opened(resp)
         tunnel = Tunnel(asyncio.get_running_loop(), client, upstream, route.upgrade.idle_timeout)
         if tail:

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sidecar.engine.answered import Answered, client_gone
 from sidecar.idempotency import problem
-from sidecar.idempotency.answer import Answer, Forwarded, not_begun
+from sidecar.idempotency.answer import Answer, Forwarded, forwarded_of, not_begun
 from sidecar.idempotency.decision import Decision, KeyState, decide, retry_after
 from sidecar.idempotency.fingerprint import NO_SCOPE, fingerprint, scope_digest, stored_key
 from sidecar.idempotency.keep import Disposition, KeptAnswer, dispose, kept, replay
@@ -161,6 +162,76 @@ DISPOSE_CASES = [
     (Forwarded(200, H, None, retryable=False), Disposition.KEEP_STATUS),  # streamed
     (Forwarded(503, H, None, retryable=True), Disposition.RELEASE),
 ]
+
+
+RETRY_STATUSES = frozenset({502, 503, 504})
+J = ((b"Content-Type", b"application/json"),)
+# The request path's one outcome (engine/answered.py), as the guard reads it: released (True)
+# or kept (False). Every kind of answer the path makes is a row.
+ANSWERED_CASES = [
+    ("app-201", Answered(201, J, "success", 1, body=b"ok", from_upstream=True), False),
+    ("app-201-streamed", Answered(201, J, "success", 1, from_upstream=True), False),
+    ("app-503-in-retry-on", Answered(503, J, "exhausted", 3, from_upstream=True), True),
+    ("app-500-not-in-retry-on", Answered(500, J, "not-retryable", 1, from_upstream=True), False),
+    ("app-429-not-begun", Answered(429, J, "not-retryable", 1, from_upstream=True), True),
+    (
+        "app-400-retry-after-not-begun",
+        Answered(400, (*J, (b"Retry-After", b"3")), "not-retryable", 1, from_upstream=True),
+        True,
+    ),
+    (
+        "inner-sidecar-502",
+        Answered(502, J, "exhausted", 1, from_upstream=True, upstream_error=b"connect-failure"),
+        True,
+    ),
+    (
+        "app-503-dlq-stored",
+        Answered(503, J, "exhausted", 3, from_upstream=True, dlq="stored", dlq_id="r1"),
+        False,
+    ),
+    (
+        "app-503-dlq-full",
+        Answered(503, J, "exhausted", 3, from_upstream=True, dlq="full"),
+        True,
+    ),
+    (
+        "app-body-broken",
+        Answered(200, J, "body-broken", 1, from_upstream=True, proxy_error="reset"),
+        False,
+    ),
+    ("own-connect-failure", Answered(502, J, "exhausted", 3, proxy_error="connect-failure"), True),
+    ("own-breaker-open", Answered(503, J, "breaker-open", 0, proxy_error="breaker-open"), True),
+    ("own-bad-response", Answered(502, J, "exhausted", 1, proxy_error="bad-response"), False),
+    (
+        "own-failure-dlq-stored",
+        Answered(502, J, "exhausted", 3, proxy_error="connect-failure", dlq="stored", dlq_id="r1"),
+        False,
+    ),
+    ("own-dlq-202", Answered(202, J, "exhausted", 3, dlq="stored", dlq_id="r1"), False),
+]
+
+
+@pytest.mark.parametrize(
+    ("answered", "released"),
+    [(a, want) for _, a, want in ANSWERED_CASES],
+    ids=[name for name, _, _ in ANSWERED_CASES],
+)
+def test_the_guard_reads_the_paths_outcome(answered: Answered, released: bool) -> None:
+    """What the guard judges is read from the path's outcome itself: whether the DLQ stored
+    the write (its record id), a sidecar's own answer (this one's, or one further down), never
+    a header the proxy set. Status, fields and body are the answer's."""
+    got = forwarded_of(answered, RETRY_STATUSES)
+    assert got.retryable is released
+    assert (got.status, got.headers, got.body) == (answered.status, answered.headers, answered.body)
+
+
+def test_the_outcome_is_made_anew_never_changed() -> None:
+    """Its fields are ``Final`` (mypy holds every writer to that): a later fact, the bytes a
+    held answer sent once released, makes a new one."""
+    answered = client_gone()
+    assert (answered.status, answered.fate, answered.attempts) == (499, "client-gone", 0)
+    sent = answered.with_sent(7)
+    assert sent.sent == 7 and answered.sent == 0 and sent is not answered
 
 
 @pytest.mark.parametrize(("forwarded", "want"), DISPOSE_CASES)

@@ -33,7 +33,6 @@ from sidecar.config.parse import parse_text
 from sidecar.core import NoTimeLeft, Overloaded, Verdict
 from sidecar.engine.bulkhead import Bulkhead
 from sidecar.proxy.admission import is_trusted
-from sidecar.proxy.respond import ProxyResponse
 from sidecar.retry.breaker import Admitted, Breaker, State
 from sidecar.retry.budget import Budget
 from sidecar.telemetry.tracing import Tracing
@@ -1187,22 +1186,34 @@ async def test_a_kill_switch_set_during_the_backoff_stops_the_scheduled_retry(
 # uvloop marks the transport closing at once and calls ``connection_lost`` -- which cancels the
 # handler -- a loop turn later, so a write can see the client gone first; each write the handler
 # makes is tried. The close is put just before a write by a patch on an interpreted class
-# (aiohttp's ``StreamWriter``, the sidecar's ``ProxyResponse``): the race itself cannot be timed
-# from a test. The other early exits (a hedge's losers unwinding, the deadline ending a wait for
+# (aiohttp's ``StreamWriter``, which every write of the HTTP/1.1 sink goes through): the race
+# itself cannot be timed from a test. The other early exits (a hedge's losers unwinding, the deadline ending a wait for
 # a pooled connection, a DLQ record stored after its client left) follow.
 
 
 def _close_before_writing(monkeypatch: pytest.MonkeyPatch, starting: bytes) -> None:
     """The client's close arrives just before the handler writes bytes starting with
-    ``starting`` through aiohttp's writer (a 100 Continue, a relayed 1xx)."""
-    real = StreamWriter.write
+    ``starting`` through aiohttp's writer (a 100 Continue, a relayed 1xx): every write of the
+    HTTP/1.1 sink (``proxy/h1.py``) goes through ``StreamWriter._write`` or ``_writelines``
+    (as aiohttp's own responses do)."""
+    real_write, real_lines = StreamWriter._write, StreamWriter._writelines
 
-    async def write(self: StreamWriter, chunk: Any, *args: Any, **kwargs: Any) -> None:
-        if bytes(chunk).startswith(starting) and self.transport is not None:
-            self.transport.close()
-        await real(self, chunk, *args, **kwargs)
+    def close_first(writer: StreamWriter, data: bytes) -> None:
+        transport = writer._protocol.transport
+        if data.startswith(starting) and transport is not None:
+            transport.close()
 
-    monkeypatch.setattr(StreamWriter, "write", write)
+    def write(self: StreamWriter, chunk: Any) -> None:
+        close_first(self, bytes(chunk))
+        real_write(self, chunk)
+
+    def writelines(self: StreamWriter, chunks: Any) -> None:
+        chunks = list(chunks)
+        close_first(self, b"".join(bytes(c) for c in chunks))
+        real_lines(self, chunks)
+
+    monkeypatch.setattr(StreamWriter, "_write", write)
+    monkeypatch.setattr(StreamWriter, "_writelines", writelines)
 
 
 async def _ended(sc: Running, n: int = 1) -> None:
@@ -1286,38 +1297,29 @@ async def test_a_client_gone_before_100_continue_is_counted_and_its_span_ended(
     _nothing_kept(sc)
 
 
-def _close_at_prepare(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = ProxyResponse.prepare
+def _close_at_write(n: int) -> Callable[[pytest.MonkeyPatch], None]:
+    """The client's close arrives just before the sink's ``n``-th write to it (1: the head,
+    or the whole answer in one write; 2: the first body chunk of a streamed one)."""
 
-    async def prepare(self: ProxyResponse, request: web.BaseRequest) -> Any:
-        assert request.transport is not None
-        request.transport.close()
-        return await real(self, request)
+    def patch(monkeypatch: pytest.MonkeyPatch) -> None:
+        real = StreamWriter._write
+        writes = [0]
 
-    monkeypatch.setattr(ProxyResponse, "prepare", prepare)
+        def write(self: StreamWriter, chunk: Any) -> None:
+            writes[0] += 1
+            transport = self._protocol.transport
+            if writes[0] == n and transport is not None:
+                transport.close()
+            real(self, chunk)
 
+        monkeypatch.setattr(StreamWriter, "_write", write)
 
-def _close_at_first_body_write(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = ProxyResponse.write
-
-    async def write(self: ProxyResponse, data: Any) -> None:
-        req = self._req
-        assert req is not None and req.transport is not None
-        req.transport.close()
-        await real(self, data)
-
-    monkeypatch.setattr(ProxyResponse, "write", write)
+    return patch
 
 
-def _close_at_send_whole(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = ProxyResponse.send_whole
-
-    def send_whole(self: ProxyResponse, request: web.BaseRequest, body: bytes) -> None:
-        assert request.transport is not None
-        request.transport.close()
-        real(self, request, body)
-
-    monkeypatch.setattr(ProxyResponse, "send_whole", send_whole)
+_close_at_send_whole = _close_at_write(1)
+_close_at_prepare = _close_at_write(1)
+_close_at_first_body_write = _close_at_write(2)
 
 
 @pytest.mark.parametrize(
@@ -1349,6 +1351,82 @@ async def test_a_client_gone_during_the_relay_is_client_gone_however_it_is_notic
     sc = await sidecar_factory(routes_yaml(up.url))
     close(monkeypatch)
     await _get_as_a_client_that_left(sc, caplog)
+
+
+async def test_a_client_gone_before_the_sidecars_own_answer_is_written_is_client_gone(
+    sidecar_factory, caplog, monkeypatch
+):
+    """The upstream refuses connections: the sidecar answers 502 itself, and the client's close
+    arrives just before that answer is written. The request was counted (502, ``exhausted``)
+    before aiohttp wrote the answer, which then found nobody: a client that got nothing showed
+    as an answered request. Every answer now goes out through the front end's sink before the
+    request ends, so it is client-gone (499), as for a relayed answer; nothing is held."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sc = await sidecar_factory(routes_yaml(f"http://127.0.0.1:{port}"))
+    _close_before_writing(monkeypatch, b"HTTP/1.1 502")
+    r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+    w.write(b"GET /x HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert await asyncio.wait_for(r.read(), 5) == b""  # nothing written
+    w.close()
+    await _ended(sc)
+    assert [(e.fate, e.status) for e in sc.recorder.sequences] == [("client-gone", 499)]
+    assert "internal error" not in caplog.text
+    _nothing_kept(sc)
+
+
+@pytest.mark.parametrize("part", [0, 10], ids=["head-only", "mid-body"])
+async def test_a_held_answer_cancelled_half_way_gives_everything_back(
+    sidecar_factory, tmp_path, part: int
+):
+    """A guarded write's answer is held (``proxy/held.py``) until its key is settled. The app
+    sends its head and ``part`` bytes of a 100-byte body, then stalls; the write is cancelled
+    during the hold, as a stop whose drain ran out cancels it. The upstream response is
+    discarded (its connection closed, never pooled), the bulkhead slot given back, the held
+    bytes dropped (nothing reaches the client), the request counted once (client-gone), and
+    the key settled by the app's head (its status kept, as the app acted)."""
+    came = asyncio.Event()
+
+    async def upstream(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        head = await read_head(r)
+        length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))  # type: ignore[union-attr]
+        await r.readexactly(length)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * part)
+        await w.drain()
+        came.set()
+        await asyncio.sleep(30)  # stalls mid-body
+
+    async with raw_server(upstream) as port:
+        sc = await sidecar_factory(
+            routes_yaml(
+                f"http://127.0.0.1:{port}",
+                "    idempotency: {enabled: true, max_response_bytes: 1KiB}",
+                f'idempotency: {{path: "{tmp_path}/keys.sqlite3"}}',
+            )
+        )
+        r, w = await asyncio.open_connection("127.0.0.1", sc.sidecar.proxy_port)
+        w.write(
+            b"POST /x HTTP/1.1\r\nHost: x\r\nIdempotency-Key: k1\r\nContent-Length: 2\r\n\r\n{}"
+        )
+        await asyncio.wait_for(came.wait(), 5)
+        await until(lambda: len(sc.recorder.attempts) == 1, "the app's head came")
+        for _ in range(5):
+            await asyncio.sleep(0)  # the head (and the bytes) reach the hold
+        assert len(sc.sidecar.deps.detached) == 1  # the write runs, detached
+        await sc.sidecar.deps.detached.stop(0)  # cancelled during the hold
+        assert await asyncio.wait_for(r.read(), 5) == b""  # nothing held was sent
+        w.close()
+        await _ended(sc)
+        assert [(e.fate, e.status) for e in sc.recorder.sequences] == [("client-gone", 499)]
+        _nothing_kept(sc)
+        async with aiohttp.ClientSession() as s:
+            url = f"http://127.0.0.1:{sc.sidecar.admin_port}/idempotency/k1"
+            async with s.get(url) as resp:
+                assert resp.status == 200, await resp.text()
+                kept = await resp.json()
+        assert kept["state"] == "finished", kept
+        assert kept["answer"]["status"] == 200 and not kept["answer"]["body_kept"], kept
 
 
 async def test_a_client_gone_while_a_hedges_losers_unwind_gives_the_winners_connection_back(

@@ -15,7 +15,7 @@ from sidecar.config.model import RetryOn, RetryPolicy
 from sidecar.config.parse import parse_text
 from sidecar.core import Fate, LocalOverload, UpstreamError, Verdict
 from sidecar.outcomes import ROWS, Effect, OutcomeKind, OutcomeRow
-from sidecar.proxy.respond import client_error, own_answer
+from sidecar.proxy.respond import client_error, own_answer, refusal
 from sidecar.retry.classify import Outcome, is_retryable, verdict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,22 +71,24 @@ def test_each_answer_is_made_from_its_row(row: OutcomeRow):
     if row is outcomes.BAD_REQUEST:
         for status, error in outcomes.REFUSALS.items():
             resp = client_error(status, "refused")
-            assert resp.status == status
-            assert resp.headers["x-retry-proxy-error"] == row.code
+            made = refusal(status, "refused")
+            assert resp.status == made.status == status
+            assert resp.headers["x-retry-proxy-error"] == made.header("x-retry-proxy-error")
+            assert made.header("x-retry-proxy-error") == row.code
             assert resp.headers["Proxy-Status"] == f"retry-sidecar; error={error}"
+            assert made.header("Proxy-Status") == f"retry-sidecar; error={error}"
         return
-    resp = own_answer(row, Fate.EXHAUSTED, 2)
-    assert resp.status == row.status
-    assert resp.headers["x-retry-proxy-error"] == row.code
-    assert resp.headers["Proxy-Status"] == f"retry-sidecar; error={row.proxy_status}"
-    assert resp.headers["x-retry-fate"] == "exhausted"
-    assert resp.body is not None and isinstance(resp.body, bytes)
-    assert json.loads(resp.body) == {"error": row.message, "fate": "exhausted", "attempts": 2}
+    own = own_answer(row, Fate.EXHAUSTED, 2)
+    assert own.status == row.status
+    assert own.header("x-retry-proxy-error") == row.code
+    assert own.header("Proxy-Status") == f"retry-sidecar; error={row.proxy_status}"
+    assert own.header("x-retry-fate") == "exhausted"
+    assert json.loads(own.body) == {"error": row.message, "fate": "exhausted", "attempts": 2}
 
 
 def test_a_precise_error_type_replaces_the_rows():
-    resp = own_answer(outcomes.CONNECT_FAILURE, Fate.EXHAUSTED, 3, "connection_refused")
-    assert resp.headers["Proxy-Status"] == "retry-sidecar; error=connection_refused"
+    own = own_answer(outcomes.CONNECT_FAILURE, Fate.EXHAUSTED, 3, "connection_refused")
+    assert own.header("Proxy-Status") == "retry-sidecar; error=connection_refused"
     assert "connection_refused" in outcomes.CONNECT_FAILURE.precise
 
 
@@ -229,7 +231,7 @@ def test_answers_in_the_proxy_come_from_rows():
                 )
                 if not ok:
                     bad.append(f"{rel}:{node.lineno}: own_answer without a row")
-            elif fn == "client_error" and args and isinstance(args[0], ast.Constant):
+            elif fn in ("client_error", "refusal") and args and isinstance(args[0], ast.Constant):
                 if args[0].value not in outcomes.REFUSALS:
                     bad.append(f"{rel}:{node.lineno}: refusal {args[0].value!r} not in REFUSALS")
             elif fn == "proxy_error":
