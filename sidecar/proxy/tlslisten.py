@@ -30,6 +30,7 @@ from typing import Any
 from aiohttp import web
 from cryptography import x509
 
+from sidecar import outcomes
 from sidecar.telemetry.logs import RateLimit
 
 log = logging.getLogger("sidecar.tls")
@@ -39,9 +40,10 @@ ALPN = ("http/1.1",)
 
 # retry_sidecar_tls_handshakes_total{side="listener", result}
 OK = "ok"
-CERTIFICATE = "tls-certificate"  # the client's certificate refused (unknown CA, expired...)
-HANDSHAKE = "tls-handshake"  # any other failure: protocol, version, an alert, no certificate
-GONE = "connect-failure"  # the client went away or timed out before the handshake ended
+# The outcome table's names: a listener's handshake fails the ways an upstream's does.
+CERTIFICATE = outcomes.TLS_CERTIFICATE.name  # the client's certificate refused (unknown CA...)
+HANDSHAKE = outcomes.TLS_HANDSHAKE.name  # any other failure: protocol, an alert, no certificate
+GONE = outcomes.CONNECT_FAILURE.name  # the client went away or timed out before the end
 RESULTS = (OK, CERTIFICATE, HANDSHAKE, GONE)
 
 Report = Callable[[str, str], None]  # (result, reason: "" for ok)
