@@ -825,7 +825,8 @@ NGINX_TLS_PROXY_CONF = """\
     location / {{
       proxy_pass https://tls_up;
       proxy_http_version 1.1;
-      proxy_set_header Host $http_host;
+      # what `proxy_pass https://localhost:{upstream}` sends by default: the upstream's name
+      proxy_set_header Host localhost:{upstream};
       proxy_set_header Connection "";
       proxy_ssl_verify on;
       proxy_ssl_trusted_certificate {ca};

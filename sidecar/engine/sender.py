@@ -94,6 +94,11 @@ class AttemptSender:
             attempt,
             remaining,
         )
+        tls: TlsTarget | None = None
+        if self._tls is not None and self._tls_hosts:
+            host = self._tls_hosts.get(endpoint.name)
+            if host is not None:
+                tls = self._tls.target(host)
         span = self._span
         attempt_span: Span | None = None
         if span is not None:
@@ -105,13 +110,9 @@ class AttemptSender:
                 (endpoint.name, endpoint.host, endpoint.port),
                 hedge,
                 target=self._target,
+                tls=tls is not None,
             )
             head += tracing.inject(attempt_span)
-        tls: TlsTarget | None = None
-        if self._tls is not None and self._tls_hosts:
-            host = self._tls_hosts.get(endpoint.name)
-            if host is not None:
-                tls = self._tls.target(host)
         try:
             up = await self._client.request(
                 endpoint.host,

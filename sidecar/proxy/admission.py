@@ -8,7 +8,7 @@ from __future__ import annotations
 import ipaddress
 from typing import TYPE_CHECKING
 
-from sidecar.config.model import Config, IpNetwork
+from sidecar.config.model import Config, IpNetwork, Route
 from sidecar.config.values import Upstream
 from sidecar.proxy import forward
 from sidecar.proxy.context import RequestContext
@@ -49,7 +49,31 @@ def is_trusted(peer: str, networks: tuple[IpNetwork, ...]) -> bool:
     return trusted
 
 
+_TLS_HOSTS: dict[tuple[int, str | None], tuple[Upstream, bytes]] = {}
 _HOSTS: dict[int, tuple[Upstream, bytes]] = {}
+
+
+def tls_host(route: Route) -> bytes:
+    """The Host an ``https://`` route sends: the name its upstream is verified by
+    (``tls.server_name``, else the first URL's host), with the port unless 443. A route whose
+    URLs name different hosts sends the first one's: give them one ``server_name``."""
+    up = route.upstream
+    key = (id(up), route.tls.server_name)
+    hit = _TLS_HOSTS.get(key)
+    if hit is not None and hit[0] is up:
+        return hit[1]
+    if len(_TLS_HOSTS) >= 256:
+        _TLS_HOSTS.clear()
+    name = route.tls.server_name or up.host
+    try:
+        encoded = name.encode("ascii")
+    except UnicodeEncodeError:
+        encoded = name.encode("idna")  # an internationalised name, as it is sent as SNI
+    if b":" in encoded:
+        encoded = b"[" + encoded + b"]"
+    value = encoded if up.port == 443 else encoded + b":%d" % up.port
+    _TLS_HOSTS[key] = (up, value)
+    return value
 
 
 def default_host(upstream: Upstream) -> bytes:
@@ -110,6 +134,7 @@ def admit(
         b"https" if request.tls else b"http",
         default_host=default_host(route.upstream),
         authority=where.authority.encode("latin-1") if where.authority else None,
+        tls_host=tls_host(route) if route.upstream.tls else None,
     )
     if request.client_cert is not None and route.forward_client_cert:
         shared.append((b"X-Forwarded-Client-Cert", request.client_cert))
@@ -120,7 +145,7 @@ def admit(
     tracing = deps.tracing
     span: Span | None = None
     if tracing.enabled:
-        span = tracing.start_server(method, target, route.name, fields, peer)
+        span = tracing.start_server(method, target, route.name, fields, peer, tls=request.tls)
         # Our attempt spans become the parent the upstream sees: the propagators' headers
         # (traceparent, b3...) go with each attempt, the client's are dropped.
         replaced = tracing.replaced

@@ -82,12 +82,16 @@ def request_headers(
     scheme: bytes = b"http",
     default_host: bytes | None = None,
     authority: bytes | None = None,
+    tls_host: bytes | None = None,
 ) -> tuple[list[tuple[bytes, bytes]], bytes | None, bytes | None]:
     """Headers to send upstream (minus per-attempt ones), plus the trusted edge marker and
     propagated timeout (None when absent or the peer is not trusted).
 
     ``authority`` is the host of an absolute-form request target: it replaces any received
-    Host (RFC 9112 section 3.2.2).
+    Host (RFC 9112 section 3.2.2). ``tls_host``: the name an ``https://`` upstream is verified
+    by (and sent as SNI); it is the Host sent, whatever the client's was, as nginx's
+    ``proxy_pass https://`` sends its upstream's name: a TLS server that routes by name answers
+    421 to a Host its SNI does not match. The client's Host then goes in X-Forwarded-Host.
 
     X-Forwarded-For keeps what the client sent and appends the real peer; X-Forwarded-Proto
     (``scheme``: https for a request that came over the TLS listener, as nginx's ``$scheme``)
@@ -142,7 +146,7 @@ def request_headers(
             if authority is not None:
                 v = authority  # in place, so the field keeps its position
             host = v
-            out.append((k, v))
+            out.append((k, tls_host or v))
             continue
         if lk == b"connection":
             if named is None:
@@ -174,12 +178,12 @@ def request_headers(
     out.append((b"X-Forwarded-Proto", proto or scheme))
     if authority is not None and host is None:
         host = authority
-        out.append((b"Host", authority))
+        out.append((b"Host", tls_host or authority))
     if fwd_host or host:
         out.append((b"X-Forwarded-Host", fwd_host or host or b""))
-    if host is None and default_host is not None:
+    if host is None and (tls_host or default_host) is not None:
         # An HTTP/1.0 client may send no Host; HTTP/1.1 upstreams require one.
-        out.append((b"Host", default_host))
+        out.append((b"Host", tls_host or default_host or b""))
     return out, edge, timeout
 
 

@@ -225,18 +225,20 @@ class Tracing:
         route: str,
         headers: Mapping[str, str],
         peer: str,
+        *,
+        tls: bool = False,
     ) -> Span:
         from opentelemetry.trace import SpanKind
 
         assert self._tracer is not None and self._propagator is not None
         parent = self._propagator.extract(carrier=headers)
-        host, port = _host_port(headers.get("Host", ""), 80)
+        host, port = _host_port(headers.get("Host", ""), 443 if tls else 80)
         known = method in KNOWN_METHODS
         attrs: dict[str, str | int] = {
             "http.request.method": method if known else "_OTHER",
             "http.route": route,  # the route's name: see docs/observability.md
             "url.path": redacted_path(target.partition("?")[0]),
-            "url.scheme": "http",
+            "url.scheme": "https" if tls else "http",
             "client.address": peer,
             ROUTE: route,
         }
@@ -266,6 +268,7 @@ class Tracing:
         hedge: bool = False,
         *,
         target: str = "",
+        tls: bool = False,
     ) -> Span:
         """``endpoint``: its configured name (``host:port``), and where it connects to."""
         from opentelemetry import trace
@@ -280,7 +283,7 @@ class Tracing:
             "server.address": host,
             "server.port": port,
             "network.peer.address": ip,
-            "url.full": f"http://{name}{redacted(target)}",
+            "url.full": f"{'https' if tls else 'http'}://{name}{redacted(target)}",
             ATTEMPT: attempt,
         }
         if not known:

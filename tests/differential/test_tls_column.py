@@ -96,6 +96,8 @@ def test_the_upstream_receives_over_tls_what_nginx_sends_it(tls_world: TlsWorld,
     assert ngx_status == [200] and len(ngx_seen) == 1, (ngx_status, ngx_seen)
     assert sc_status == ngx_status
     assert sc_seen == ngx_seen
+    # The upstream's own name as Host (it is what SNI said), never the client's up.test
+    assert ("host", f"localhost:{tls_world.upstream.tls_port}") in sc_seen[0]["headers"]
 
 
 def test_the_comparison_sees_a_difference(tls_world: TlsWorld, tmp_path: Path):

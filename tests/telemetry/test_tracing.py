@@ -240,3 +240,53 @@ def test_server_address_and_port_apart():
     assert _host_port("[::1]:9000", 80) == ("::1", 9000)
     assert _host_port("[::1]", 80) == ("::1", 80)
     assert _host_port("orders.svc", 443) == ("orders.svc", 443)
+
+
+async def test_spans_say_https_for_a_tls_listener_and_an_https_upstream(
+    sidecar_factory, tmp_path, unused_tcp_port_factory
+):
+    """``url.scheme`` of the server span says how the client came (the TLS listener), and
+    ``url.full`` of an attempt how the upstream was reached (an ``https://`` route)."""
+    import ssl
+
+    import aiohttp
+    from aiohttp import web
+
+    from tests import tlscerts
+
+    made = tlscerts.make(tmp_path / "tls")
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(made.server.cert, made.server.key)
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", ok)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    up_port, port = unused_tcp_port_factory(), unused_tcp_port_factory()
+    await web.TCPSite(runner, "127.0.0.1", up_port, ssl_context=server_ctx).start()
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    try:
+        await sidecar_factory(
+            f'version: 1\nlisten: "127.0.0.1:{port}"\nadmin: {{listen: "127.0.0.1:0"}}\n'
+            f"server_tls: {{cert_file: {made.server.cert}, key_file: {made.server.key}}}\n"
+            f"routes:\n  - name: secure\n    upstream: https://localhost:{up_port}\n"
+            f"    tls: {{ca_file: {made.ca}}}\n",
+            tracing=Tracing(provider),
+        )
+        client_ctx = ssl.create_default_context(cafile=made.ca)
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"https://localhost:{port}/x?k=v", ssl=client_ctx) as resp:
+                assert resp.status == 200
+    finally:
+        await runner.cleanup()
+    spans = exporter.get_finished_spans()
+    [server] = [s for s in spans if s.kind is SpanKind.SERVER]
+    [attempt] = [s for s in spans if s.kind is SpanKind.CLIENT]
+    assert server.attributes is not None and attempt.attributes is not None
+    assert server.attributes["url.scheme"] == "https"
+    assert attempt.attributes["url.full"] == f"https://localhost:{up_port}/x?k=REDACTED"
