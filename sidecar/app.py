@@ -43,6 +43,7 @@ from sidecar.lifecycle import Lifecycle
 from sidecar.proxy.certreload import RELOAD_RESULTS, CertReloader
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.handler import ProxyHandler
+from sidecar.proxy.respond import client_error
 from sidecar.proxy.runner import DrainingRunner
 from sidecar.proxy.server import SidecarServer
 from sidecar.proxy.tlslisten import RESULTS, SwitchingContext, TlsSite, listener_reports
@@ -82,9 +83,8 @@ class Sidecar:
         self.clock = clock or Clock()
         self.events = Fanout()
         self.metrics = Metrics()
-        self.events.sinks.extend(
-            (self.metrics, RequestLog(lambda: self.store.current.telemetry.access_log))
-        )
+        self.request_log = RequestLog(lambda: self.store.current.telemetry.access_log)
+        self.events.sinks.extend((self.metrics, self.request_log))
         self.states = RouteStates(self._on_breaker_transition)
         self.states.sync(config)
         self._declare_routes(config)
@@ -118,6 +118,7 @@ class Sidecar:
             life=self.life,
             tracing=self.tracing,
             malformed=lambda reason: self.metrics.malformed.inc((("reason", reason),)),
+            refused=self.request_log.refused,
             dlq_write=lambda route, result: self.metrics.dlq_writes.inc(
                 (("route", route), ("result", result))
             ),
@@ -304,6 +305,7 @@ class Sidecar:
             # wait runs for nobody (nginx's proxy_ignore_client_abort off).
             handler_cancellation=True,
             on_malformed=self.deps.malformed,
+            refuse=self._refuse_unparsed,
             auto_decompress=False,  # bodies pass through byte-identical, gzip stays gzip
             access_log=None,
             keepalive_timeout=config.limits.keepalive_timeout,
@@ -459,6 +461,12 @@ class Sidecar:
         # The last spans get what is left of the drain, and at least a second.
         self.tracing.shutdown(max(drain_ends - loop.time(), 1.0))
         log.info("stopped")
+
+    def _refuse_unparsed(self, status: int, text: str) -> web.Response:
+        """The proxy server's own refusal of a head it could not take (malformed, too large,
+        too slow), with its access log line."""
+        self.request_log.refused(None, None, status)
+        return client_error(status, text)
 
     def task_names(self) -> list[str]:
         return sorted(self._tasks)

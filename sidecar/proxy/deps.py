@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 class ProxyDeps(EngineDeps):
     store: ConfigStore
     malformed: Callable[[str], None] = lambda reason: None  # counts refused requests
+    # the access log's line for a request refused before routing: (method, target, status)
+    refused: Callable[[str, str, int], None] = lambda method, target, status: None
     dlq: DlqStorage | None = None
     dlq_write: Callable[[str, str], None] = lambda route, result: None  # (route, result)
     tunnels: Tunnels = field(default_factory=Tunnels)  # upgraded connections being relayed

@@ -80,6 +80,7 @@ def request_headers(
     peer: str,
     trusted: bool,
     scheme: bytes = b"http",
+    *,
     default_host: bytes | None = None,
     authority: bytes | None = None,
     tls_host: bytes | None = None,

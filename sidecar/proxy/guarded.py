@@ -68,22 +68,38 @@ def _send(
     length = None if bodiless else len(answer.body)
     framing = [] if length is None else [(b"Content-Length", b"%d" % length)]
     error = None
+    row = None  # a problem's row of the outcome table: a store down is the sidecar's own fault
     if not replayed:
+        row = outcomes.INTERNAL if status == 503 else outcomes.BAD_REQUEST
         error = (
-            outcomes.INTERNAL.proxy_status
-            if status == 503
+            row.proxy_status
+            if row is outcomes.INTERNAL
             else outcomes.REFUSALS.get(status, outcomes.BAD_REQUEST.proxy_status)
         )
     own = [
         (b"Date", formatdate(ctx.deps.clock.wall(), usegmt=True).encode("ascii")),
         (b"Proxy-Status", proxy_status(error).encode("ascii")),
     ]
+    if row is not None:  # as every answer the sidecar makes itself (docs/headers.md)
+        own += [
+            (b"x-retry-proxy-error", row.code.encode("ascii")),
+            (b"x-retry-attempts", b"0"),
+            (b"x-retry-fate", fate.value.encode("ascii")),
+        ]
     # The sidecar's own fields replace the kept ones (a replay's Date, a replayed DLQ 202's
     # Proxy-Status): one of each, never two (Date is a singleton field, RFC 9110 6.6.1).
     kept = [(k, v) for k, v in answer.headers if k.lower() not in OWN_FIELDS]
     sink = ctx.sink
     sink.whole(Head(status, [*kept, *framing], own, length, close), answer.body)
-    return Answered(status, answer.headers, fate.value, 0, body=answer.body, sent=sink.sent)
+    return Answered(
+        status,
+        answer.headers,
+        fate.value,
+        0,
+        body=answer.body,
+        sent=sink.sent,
+        proxy_error=row.code if row is not None else None,
+    )
 
 
 async def run_guarded(ctx: RequestContext, intake: Intake) -> Answered:

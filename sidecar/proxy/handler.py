@@ -86,6 +86,7 @@ class ProxyHandler:
         if not isinstance(ctx, RequestContext):
             # Refused before any sequence: not counted as a request of a route.
             send_made(sink, ctx, Fate.NOT_RETRYABLE, 0)
+            self.deps.refused(request.method, request.target, ctx.status)
             return
         deps = self.deps
         try:

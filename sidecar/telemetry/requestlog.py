@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from json import dumps
 
+from sidecar import outcomes
 from sidecar.telemetry.events import (
     AttemptEnded,
     BreakerTransitioned,
@@ -21,6 +22,9 @@ from sidecar.telemetry.events import (
 )
 from sidecar.telemetry.logs import TRACE, write_line
 from sidecar.telemetry.tracing import redacted_path
+
+# The fate of a request refused before routing, in the access log only (never a route's).
+NOT_ROUTED = "not-routed"
 
 
 class RequestLog:
@@ -41,6 +45,32 @@ class RequestLog:
 
     def breaker_transitioned(self, event: BreakerTransitioned) -> None:
         pass
+
+    def refused(self, method: str | None, target: str | None, status: int) -> None:
+        """A request refused before any route took it (no route matched, a malformed or too
+        large head, a head too slow), logged as nginx logs its 400s and 404s: no route, no
+        attempt; ``method`` and ``target`` None when the head never parsed."""
+        if not (self.log.isEnabledFor(logging.INFO) and self.on()):
+            return
+        path = redacted_path(target.partition("?")[0]) if target is not None else None
+        fields: dict[str, object] = {
+            "method": method,
+            "route": None,
+            "path": path,
+            "status": status,
+            "duration": 0.0,
+            "attempts": 0,
+            "fate": NOT_ROUTED,
+            "upstream": None,
+            "bytes": 0,
+            "proxy_error": outcomes.BAD_REQUEST.code,
+        }
+        line = (
+            f'{{"ts": {time.time():.3f}, "level": "info", "logger": "sidecar.access", '
+            '"msg": "access", ' + ", ".join(f"{dumps(k)}: {dumps(v)}" for k, v in fields.items())
+        )
+        if not write_line(line + "}"):
+            self.log.info("access", extra={"fields": fields})
 
     def sequence_ended(self, event: SequenceEnded) -> None:
         if not (self.log.isEnabledFor(logging.INFO) and self.on()):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from pathlib import Path
 
 import aiohttp
@@ -108,3 +109,43 @@ async def test_access_log_off_with_one_key(tmp_path, upstream_factory):
         proc.terminate()
     assert _lines(proc, "sidecar.access") == []
     assert _lines(proc, "sidecar.app") or proc.stderr()  # the process did log (not mute)
+
+
+async def test_requests_refused_before_routing_have_their_access_line(tmp_path, upstream_factory):
+    """As nginx logs its 400s and 404s: a request no route takes, and heads the server refuses
+    before any route (malformed, too large), each get a line: no route, no attempt."""
+    up = await upstream_factory(reply(200))
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(
+        f'version: 1\nlisten: "127.0.0.1:{port}"\nadmin: {{listen: "127.0.0.1:{admin}"}}\n'
+        f'routes:\n  - {{name: api, upstream: "{up.url}", match: {{path_prefix: /api/}}}}\n'
+    )
+    proc = await launched(cfg, port, admin)
+    try:
+        url = f"http://127.0.0.1:{port}/elsewhere?token=secret"
+        async with aiohttp.ClientSession() as s, s.get(url) as resp:
+            assert resp.status == 404
+        for raw in (
+            b"GET /x HTTP/1.1\r\nHost: a b\r\nBad Header\r\n\r\n",
+            b"GET /x HTTP/1.1\r\nHost: a\r\nX-Big: " + b"y" * 40_000 + b"\r\n\r\n",
+        ):
+            with socket.create_connection(("127.0.0.1", port)) as c:
+                c.sendall(raw)
+                c.settimeout(5)
+                assert c.recv(100)[9:10] == b"4"  # a 4xx, as HTTP/1.0 or 1.1
+        lines = await _access_lines(proc, 3)
+    finally:
+        proc.terminate()
+    assert len(lines) == 3, lines
+    first = lines[0]
+    assert (first["method"], first["path"], first["status"], first["route"]) == (
+        "GET",
+        "/elsewhere",
+        404,
+        None,
+    )
+    assert first["attempts"] == 0 and first["upstream"] is None
+    assert first["proxy_error"] == "bad-request" and "secret" not in json.dumps(lines)
+    assert all(line["status"] in (400, 431) for line in lines[1:]), lines
+    assert all(line["route"] is None and line["method"] is None for line in lines[1:])

@@ -279,9 +279,9 @@ async def test_spans_say_https_for_a_tls_listener_and_an_https_upstream(
             tracing=Tracing(provider),
         )
         client_ctx = ssl.create_default_context(cafile=made.ca)
-        async with aiohttp.ClientSession() as s:
-            async with s.get(f"https://localhost:{port}/x?k=v", ssl=client_ctx) as resp:
-                assert resp.status == 200
+        url = f"https://localhost:{port}/x?k=v"
+        async with aiohttp.ClientSession() as s, s.get(url, ssl=client_ctx) as resp:
+            assert resp.status == 200
     finally:
         await runner.cleanup()
     spans = exporter.get_finished_spans()
