@@ -31,6 +31,7 @@ from aiohttp import web
 from cryptography import x509
 
 from sidecar import outcomes
+from sidecar.outcomes import OutcomeKind
 from sidecar.telemetry.logs import RateLimit
 
 log = logging.getLogger("sidecar.tls")
@@ -41,9 +42,11 @@ ALPN = ("http/1.1",)
 # retry_sidecar_tls_handshakes_total{side="listener", result}
 OK = "ok"
 # The outcome table's names: a listener's handshake fails the ways an upstream's does.
-CERTIFICATE = outcomes.TLS_CERTIFICATE.name  # the client's certificate refused (unknown CA...)
-HANDSHAKE = outcomes.TLS_HANDSHAKE.name  # any other failure: protocol, an alert, no certificate
-GONE = outcomes.CONNECT_FAILURE.name  # the client went away or timed out before the end
+# (read through BY_KIND, whose type is declared: mypyc's build cannot always infer a row's)
+_ROW = outcomes.BY_KIND
+CERTIFICATE: str = _ROW[OutcomeKind.TLS_CERTIFICATE].name  # the client's certificate refused
+HANDSHAKE: str = _ROW[OutcomeKind.TLS_HANDSHAKE].name  # protocol, an alert, no certificate
+GONE: str = _ROW[OutcomeKind.CONNECT_FAILURE].name  # the client left or timed out before the end
 RESULTS = (OK, CERTIFICATE, HANDSHAKE, GONE)
 
 Report = Callable[[str, str], None]  # (result, reason: "" for ok)
