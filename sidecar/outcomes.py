@@ -258,6 +258,18 @@ INTERNAL: Final = OutcomeRow(
     limit=NOT_COUNTED,
     endpoint=NOT_COUNTED,
 )
+# A guarded write refused because the idempotency store cannot answer (on_store_error: refuse):
+# the sidecar's own dependency failed, not the app nor a bug.
+IDEMPOTENCY_STORE: Final = OutcomeRow(
+    name="idempotency-store",
+    status=503,
+    proxy_status="proxy_internal_error",
+    message="the idempotency store cannot answer",
+    breaker=NOT_COUNTED,
+    throttle=NOT_COUNTED,
+    limit=NOT_COUNTED,
+    endpoint=NOT_COUNTED,
+)
 # Requests refused before any upstream was chosen; the status varies (``REFUSALS``).
 BAD_REQUEST: Final = OutcomeRow(
     name="bad-request",
@@ -286,6 +298,7 @@ ROWS: Final[tuple[OutcomeRow, ...]] = (
     STREAM_IDLE_TIMEOUT,
     CANCELLED,
     INTERNAL,
+    IDEMPOTENCY_STORE,
     BAD_REQUEST,
 )
 # The sidecar's own answers that stand for an answer the app gave (its head came, refused as

@@ -70,10 +70,10 @@ def _send(
     error = None
     row = None  # a problem's row of the outcome table: a store down is the sidecar's own fault
     if not replayed:
-        row = outcomes.INTERNAL if status == 503 else outcomes.BAD_REQUEST
+        row = outcomes.IDEMPOTENCY_STORE if status == 503 else outcomes.BAD_REQUEST
         error = (
             row.proxy_status
-            if row is outcomes.INTERNAL
+            if row is outcomes.IDEMPOTENCY_STORE
             else outcomes.REFUSALS.get(status, outcomes.BAD_REQUEST.proxy_status)
         )
     own = [

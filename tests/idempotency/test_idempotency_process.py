@@ -237,15 +237,16 @@ async def test_store_unreachable_refuse_or_pass(app, tmp_path, proc_stack, on_er
         problem(made, "store-unavailable")
         assert app.writes == []
         # as every answer the sidecar makes itself: why, how it ended, no attempt made
-        assert headers["x-retry-proxy-error"] == "internal"
+        assert headers["x-retry-proxy-error"] == "idempotency-store"
         assert (headers["x-retry-fate"], headers["x-retry-attempts"]) == ("not-retryable", "0")
-        access = [
-            json.loads(line)
-            for line in proc_stack[-1].stderr().splitlines()
-            if '"sidecar.access"' in line
-        ]
-        assert access and access[-1]["upstream"] is None
-        assert access[-1]["proxy_error"] == "internal", access[-1]
+
+        def access() -> list[dict[str, object]]:
+            lines = proc_stack[-1].stderr().splitlines()
+            return [json.loads(line) for line in lines if '"sidecar.access"' in line]
+
+        await until(access, "the refusal's access line")  # written just after the answer
+        assert access()[-1]["upstream"] is None
+        assert access()[-1]["proxy_error"] == "idempotency-store", access()[-1]
     else:
         assert status == 201 and len(app.writes) == 1
     assert (await counts(admin))["store-error"] == 1
