@@ -67,6 +67,7 @@ RESET_BURST_MIN = 200  # streams reset at once before the rate applies (or 2x th
 RESET_RATE = 100.0  # streams reset a second, sustained
 CONTROL_BURST = 200  # SETTINGS / PING / PRIORITY / unknown / empty DATA frames at once
 CONTROL_RATE = 100.0  # a second, sustained
+LINGER = 2.0  # seconds a connection closed for an error reads and drops what still comes
 _NO_LIMIT = 2**31  # h2's own stream check (a connection error) kept out of the way
 
 _CONTROL = (PingReceived, RemoteSettingsChanged, PriorityUpdated, UnknownFrameReceived)
@@ -142,6 +143,7 @@ class H2Server(asyncio.Protocol):
         self._idle_timer: asyncio.TimerHandle | None = None
         self._closed: asyncio.Future[None] | None = None
         self._attached: PriorityUpdated | None = None
+        self._lingering = False
         self._peer = ""
         self._tls = False
         self._cert: bytes | None = None
@@ -163,6 +165,8 @@ class H2Server(asyncio.Protocol):
         self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # closing: what still comes is read and dropped (``_close_now``)
         try:
             events = self.h2.receive_data(data)
         except DenialOfServiceError:
@@ -527,11 +531,23 @@ class H2Server(asyncio.Protocol):
             self.transport.close()
 
     def _close_now(self) -> None:
+        """Every stream cancelled; the GOAWAY sent, then our side shut and what the client
+        still sends read and dropped for ``LINGER`` seconds before the socket goes (a close
+        with unread bytes would send a reset that may overtake the GOAWAY, as nginx's
+        lingering close avoids)."""
         self._write()
         for stream in list(self.streams.values()):
             self._drop(stream)
-        if self.transport is not None:
-            self.transport.close()
+        transport = self.transport
+        if transport is None or self._lingering:
+            return
+        self._lingering = True
+        self._disarm_idle()
+        if transport.can_write_eof():
+            transport.write_eof()
+            asyncio.get_running_loop().call_later(LINGER, transport.abort)
+        else:
+            transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         for timer in (self._send_timer, self._idle_timer):
