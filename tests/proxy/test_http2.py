@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import ssl
 import subprocess
@@ -498,3 +499,55 @@ async def test_sigterm_sends_goaway_and_lets_the_stream_in_flight_finish(tmp_pat
         assert "last_stream_id=13, error_code=NO_ERROR" in text, text  # nghttp opens 13
         assert text.index("recv GOAWAY") < text.index(":status: 200"), text
         assert await asyncio.to_thread(proc.proc.wait, 10) == 0
+
+
+# -- the sniffer: requests split at random byte boundaries ------------------------------------
+
+
+async def _send_split(writer: asyncio.StreamWriter, data: bytes, rng: random.Random) -> None:
+    i = 0
+    while i < len(data):
+        n = rng.randint(1, 7) if i < 30 else rng.randint(1, 200)
+        writer.write(data[i : i + n])
+        await writer.drain()
+        await asyncio.sleep(0.002)
+        i += n
+
+
+async def test_h2c_and_http1_split_at_random_byte_boundaries(tmp_path: Path) -> None:
+    rng = random.Random(32)
+    async with upstream() as up, sidecar(tmp_path, up) as (port, _, _):
+        for seed in range(5):
+            conn = H2Connection(H2Configuration(client_side=True, header_encoding=None))
+            conn.initiate_connection()
+            conn.send_headers(
+                1,
+                [
+                    (b":method", b"GET"),
+                    (b":scheme", b"http"),
+                    (b":path", f"/h2/{seed}".encode()),
+                    (b":authority", b"s.test"),
+                ],
+                end_stream=True,
+            )
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            await _send_split(writer, conn.data_to_send(), rng)
+            status = None
+            async with asyncio.timeout(10):
+                while status is None:
+                    for e in conn.receive_data(await reader.read(65536)):
+                        if isinstance(e, ResponseReceived):
+                            status = dict(e.headers or [])[b":status"]
+            assert status == b"200"
+            writer.close()
+        # HTTP/1.1 and 1.0 starting with "P" (as the preface does), keep-alive or close.
+        for version, close in (("1.1", False), ("1.1", True), ("1.0", False)):
+            head = f"PUT /h1/{version}/{close} HTTP/{version}\r\nHost: s.test\r\n"
+            head += "Connection: close\r\n" if close else ""
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            await _send_split(writer, (head + "Content-Length: 2\r\n\r\nhi").encode(), rng)
+            line = await asyncio.wait_for(reader.readline(), 10)
+            assert line.startswith(f"HTTP/{version} 200".encode()), line
+            writer.close()
+        assert sorted(up.paths)[:3] == ["/h1/1.0/False", "/h1/1.1/False", "/h1/1.1/True"]
+        assert len(up.paths) == 8
