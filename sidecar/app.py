@@ -42,7 +42,6 @@ from sidecar.jsonapi import ExtraRoute
 from sidecar.lifecycle import Lifecycle
 from sidecar.proxy.certreload import RELOAD_RESULTS, CertReloader
 from sidecar.proxy.deps import ProxyDeps
-from sidecar.proxy.h2conn import H2Limits
 from sidecar.proxy.h2listen import DualServer
 from sidecar.proxy.handler import ProxyHandler
 from sidecar.proxy.respond import client_error
@@ -299,11 +298,8 @@ class Sidecar:
         self.admin_extra.extend(dlq_routes(self.dlqs.opened, self.dlqs.location))
         self.admin_extra.extend(idempotency_routes(lambda: self.keys.store))
 
-        handler = ProxyHandler(self.deps)
         server = DualServer(
-            handler,
-            serve=handler.serve,
-            h2_limits=self._h2_limits,
+            ProxyHandler(self.deps),
             header_timeout=lambda: self.store.current.limits.header_timeout,
             send_timeout=lambda: self.store.current.limits.send_timeout,
             # A client that goes away cancels its handler: no attempt, backoff or Retry-After
@@ -401,17 +397,6 @@ class Sidecar:
             config.admin.listen.host,
             self.admin_port,
             len(config.routes),
-        )
-
-    def _h2_limits(self) -> H2Limits:
-        """What an HTTP/2 connection accepted now is held to (the config in force)."""
-        config = self.store.current
-        limits = config.limits
-        return H2Limits(
-            config.http2.max_concurrent_streams,
-            limits.max_header_bytes,
-            limits.send_timeout,
-            limits.keepalive_timeout,
         )
 
     def _listener_tls(self, config: Config) -> SwitchingContext | None:

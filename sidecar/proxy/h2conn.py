@@ -3,26 +3,15 @@
 run by the proxy handler in a task of its own, its answer written through an ``H2Sink``
 (``proxy/h2sink.py``).
 
-What the connection holds to account (see docs/http2.md):
-
-- streams: at most ``http2.max_concurrent_streams`` handler tasks at once, advertised in
-  SETTINGS; one more is refused with RST_STREAM REFUSED_STREAM (not processed: safe to retry).
-  The count is of tasks, not of ``h2``'s open streams: a stream the client reset counts until
-  its task has unwound, so resetting streams never buys room for more work;
-- a client's RST_STREAM cancels its task at once (within the loop turn), which cancels its
-  upstream attempt as for an HTTP/1.1 client gone;
-- the header list: ``limits.max_header_bytes`` advertised as SETTINGS_MAX_HEADER_LIST_SIZE and
-  enforced by the HPACK decoder (an HPACK bomb ends the connection: COMPRESSION state cannot be
-  kept past a refused block); ``h2`` ends a header block after 64 CONTINUATION frames;
-- rates: streams reset (by the client, or refused) past ``RESET_BURST`` at ``RESET_RATE`` a
-  second (rapid reset, CVE-2023-44487), and SETTINGS, PING, PRIORITY, unknown and empty DATA
-  frames past ``CONTROL_BURST`` at ``CONTROL_RATE`` a second, end the connection with GOAWAY
-  ENHANCE_YOUR_CALM;
-- writes: a socket that takes no bytes for ``limits.send_timeout`` is cut (its reading paused
-  meanwhile, so answers to a flood cannot pile up), and each stream's window likewise
-  (``H2Sink``); a connection with no stream for ``limits.keepalive_timeout`` is closed;
-- the drain: ``drain`` sends GOAWAY (NO_ERROR, the last stream id seen), refuses streams opened
-  after it, and the connection closes once its streams are done; ``cut`` cancels the rest.
+What it holds to account (the numbers in ``proxy/h2limits.py``; docs/http2.md): handler tasks
+at most ``http2.max_concurrent_streams`` (counted as tasks, so a stream its client reset counts
+until its task has unwound; one more is refused REFUSED_STREAM); a client's RST_STREAM cancels
+its task at once, so its upstream attempt is cancelled as for an HTTP/1.1 client gone; the
+header list bounded by the HPACK decoder; streams reset and control frames past their rates
+end the connection with GOAWAY ENHANCE_YOUR_CALM; a socket that takes no bytes for
+``limits.send_timeout`` is cut (its reading paused meanwhile), each stream's window likewise
+(``H2Sink``); no stream for ``limits.keepalive_timeout`` closes it; ``drain`` sends GOAWAY and
+closes once the streams are done, ``cut_all`` cancels the rest.
 """
 
 from __future__ import annotations
@@ -32,10 +21,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Final, cast
+from typing import cast
 
-from h2.config import H2Configuration
-from h2.connection import H2Connection
 from h2.errors import ErrorCodes
 from h2.events import (
     ConnectionTerminated,
@@ -51,53 +38,29 @@ from h2.events import (
     WindowUpdated,
 )
 from h2.exceptions import DenialOfServiceError, FlowControlError, ProtocolError, StreamClosedError
-from h2.settings import SettingCodes, Settings
-from hyperframe.frame import GoAwayFrame
 
 from sidecar.proxy.frontend import ClientRequest, ResponseSink
 from sidecar.proxy.h2fields import Malformed, RateBudget, RawFields, map_request
-from sidecar.proxy.h2sink import H2Body, H2Sink, H2Stream
+from sidecar.proxy.h2limits import (
+    CONTROL_BURST,
+    CONTROL_RATE,
+    LINGER,
+    RESET_BURST_MIN,
+    RESET_RATE,
+    H2Limits,
+    goaway,
+    server_connection,
+)
+from sidecar.proxy.h2sink import H2Body, H2Sink, H2Stream, send_pending
 from sidecar.proxy.server import transport_peer
 from sidecar.proxy.tlslisten import xfcc
 from sidecar.telemetry.logs import RateLimit
 
 log = logging.getLogger("sidecar.proxy")
 
-RESET_BURST_MIN = 200  # streams reset at once before the rate applies (or 2x the stream limit)
-RESET_RATE = 100.0  # streams reset a second, sustained
-CONTROL_BURST = 200  # SETTINGS / PING / PRIORITY / unknown / empty DATA frames at once
-CONTROL_RATE = 100.0  # a second, sustained
-LINGER = 2.0  # seconds a connection closed for an error reads and drops what still comes
-_NO_LIMIT = 2**31  # h2's own stream check (a connection error) kept out of the way
-
 _CONTROL = (PingReceived, RemoteSettingsChanged, PriorityUpdated, UnknownFrameReceived)
 
 Serve = Callable[[ClientRequest, ResponseSink], Awaitable[None]]
-
-
-class H2Limits:
-    """What a connection is held to, read from the config when it is accepted."""
-
-    __slots__ = ("header_bytes", "idle", "send_timeout", "streams")
-
-    def __init__(self, streams: int, header_bytes: int, send_timeout: float, idle: float) -> None:
-        self.streams: Final = streams
-        self.header_bytes: Final = header_bytes
-        self.send_timeout: Final = send_timeout
-        self.idle: Final = idle
-
-
-class _LocalSettings(Settings):
-    """Our settings as advertised; ``h2``'s own check of the stream limit (a connection error
-    PROTOCOL_ERROR) never fires: the connection refuses a stream over it with REFUSED_STREAM."""
-
-    @property
-    def max_concurrent_streams(self) -> int:
-        return _NO_LIMIT
-
-    @max_concurrent_streams.setter
-    def max_concurrent_streams(self, value: int) -> None:
-        self[SettingCodes.MAX_CONCURRENT_STREAMS] = value
 
 
 class H2Server(asyncio.Protocol):
@@ -120,19 +83,7 @@ class H2Server(asyncio.Protocol):
         now = clock()
         self._resets = RateBudget(max(RESET_BURST_MIN, 2 * limits.streams), RESET_RATE, now)
         self._control = RateBudget(CONTROL_BURST, CONTROL_RATE, now)
-        config = H2Configuration(
-            client_side=False, header_encoding=None, validate_inbound_headers=False
-        )
-        self.h2 = conn = H2Connection(config)
-        conn.local_settings = _LocalSettings(
-            client=False,
-            initial_values={
-                SettingCodes.MAX_CONCURRENT_STREAMS: limits.streams,
-                SettingCodes.MAX_HEADER_LIST_SIZE: limits.header_bytes,
-                SettingCodes.ENABLE_PUSH: 0,
-            },
-        )
-        conn.decoder.max_header_list_size = limits.header_bytes
+        self.h2 = server_connection(limits)
         self.streams: dict[int, H2Stream] = {}
         self.transport: asyncio.Transport | None = None
         self.draining = False
@@ -379,29 +330,8 @@ class H2Server(asyncio.Protocol):
             self._flush_one(stream)
 
     def _flush_one(self, stream: H2Stream) -> None:
-        """Send what the peer's windows allow of ``stream``'s answer, and its end once all is
-        sent."""
-        if stream.reset or stream.ended:
-            return
-        conn = self.h2
-        try:
-            while stream.pending:
-                room = min(conn.local_flow_control_window(stream.id), conn.max_outbound_frame_size)
-                if room <= 0:
-                    break
-                chunk = bytes(stream.pending[:room])
-                del stream.pending[:room]
-                conn.send_data(stream.id, chunk)
-            if not stream.pending and stream.end_queued:
-                if stream.trailers:
-                    conn.send_headers(stream.id, stream.trailers, end_stream=True)
-                else:
-                    conn.end_stream(stream.id)
-                stream.ended = True
-        except (StreamClosedError, ProtocolError):
+        if not send_pending(self.h2, stream):
             self._drop(stream)
-        if not stream.pending:
-            stream.wake_out()
 
     async def drained(self, stream: H2Stream, high: int) -> None:
         """Until at most ``high`` bytes of ``stream``'s answer wait and the socket takes bytes;
@@ -446,13 +376,9 @@ class H2Server(asyncio.Protocol):
         """GOAWAY written as it is, outside ``h2``'s state machine (whose own GOAWAY closes the
         connection to every frame, the answers of the streams in flight included)."""
         self._write()
-        last = self.h2.highest_inbound_stream_id
-        self._goaway_id = last
-        frame = GoAwayFrame(0)
-        frame.last_stream_id = last
-        frame.error_code = code
+        self._goaway_id = last = self.h2.highest_inbound_stream_id
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(frame.serialize())
+            self.transport.write(goaway(last, code))
 
     def _write(self) -> None:
         data = self.h2.data_to_send()

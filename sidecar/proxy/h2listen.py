@@ -20,11 +20,12 @@ never acted on (the HTTP/1.1 handler drops it as hop-by-hop).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any, cast
 
-from sidecar.proxy.h2conn import H2Limits, H2Server, Serve
+from sidecar.proxy.h2conn import H2Server
 from sidecar.proxy.h2fields import PREFACE
+from sidecar.proxy.h2limits import limits_of
+from sidecar.proxy.handler import ProxyHandler
 from sidecar.proxy.server import SidecarServer
 
 
@@ -97,17 +98,10 @@ class DualServer(SidecarServer):
     """The proxy's ``SidecarServer``, each connection first sniffed (``Sniffer``); its HTTP/2
     connections drained and cut with the HTTP/1.1 ones (``proxy/runner.py``)."""
 
-    def __init__(
-        self,
-        handler: Any,
-        *,
-        serve: Serve,
-        h2_limits: Callable[[], H2Limits],
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, handler: ProxyHandler, **kwargs: Any) -> None:
         super().__init__(handler, **kwargs)
-        self._serve = serve
-        self._h2_limits = h2_limits
+        self._serve = handler.serve
+        self._store = handler.deps.store  # an HTTP/2 connection's limits: the config in force
         self.h2_connections: set[H2Server] = set()
         self._draining = False
 
@@ -119,7 +113,10 @@ class DualServer(SidecarServer):
 
     def h2(self) -> H2Server:
         conn = H2Server(
-            self._serve, self._h2_limits(), count=self.count, lost=self.h2_connections.discard
+            self._serve,
+            limits_of(self._store.current),
+            count=self.count,
+            lost=self.h2_connections.discard,
         )
         self.h2_connections.add(conn)
         if self._draining:  # accepted just before the listener stopped

@@ -16,19 +16,32 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING, Final
+from typing import Final, Protocol
 
 from aiohttp.helpers import must_be_empty_body
+from h2.connection import H2Connection
+from h2.exceptions import ProtocolError, StreamClosedError
 
 from sidecar.proxy.body import ClientGone
 from sidecar.proxy.frontend import Head, RawHeaders
 from sidecar.proxy.h2fields import response_fields, trailer_fields
 
-if TYPE_CHECKING:
-    from sidecar.proxy.h2conn import H2Server
-
 OUT_HIGH = 64 * 1024  # answer bytes a writer may leave waiting for the peer's window
 WHOLE_LIMIT = 64 * 1024  # complete upstream bodies up to this are given whole
+
+
+class StreamOwner(Protocol):
+    """What a stream asks of its connection (``h2conn.H2Server``)."""
+
+    def consumed(self, stream: H2Stream, n: int) -> None: ...
+
+    def send_head(self, stream: H2Stream, fields: RawHeaders, end: bool) -> None: ...
+
+    def flush(self, stream: H2Stream) -> None: ...
+
+    async def drained(self, stream: H2Stream, high: int) -> None: ...
+
+    def cut(self, stream: H2Stream) -> None: ...
 
 
 class H2Stream:
@@ -49,7 +62,7 @@ class H2Stream:
         "trailers",
     )
 
-    def __init__(self, conn: H2Server, stream_id: int, body_ended: bool) -> None:
+    def __init__(self, conn: StreamOwner, stream_id: int, body_ended: bool) -> None:
         self.conn: Final = conn
         self.id: Final = stream_id
         self.body: deque[tuple[bytes, int]] = deque()  # (data, flow-controlled length)
@@ -79,6 +92,32 @@ class H2Stream:
         total = sum(n for _, n in self.body)
         self.body.clear()
         return total
+
+
+def send_pending(conn: H2Connection, stream: H2Stream) -> bool:
+    """Send what the peer's windows allow of ``stream``'s answer, and its end (trailers or
+    END_STREAM) once all of it is sent. False: the stream turned out closed (reset)."""
+    if stream.reset or stream.ended:
+        return True
+    try:
+        while stream.pending:
+            room = min(conn.local_flow_control_window(stream.id), conn.max_outbound_frame_size)
+            if room <= 0:
+                break
+            chunk = bytes(stream.pending[:room])
+            del stream.pending[:room]
+            conn.send_data(stream.id, chunk)
+        if not stream.pending and stream.end_queued:
+            if stream.trailers:
+                conn.send_headers(stream.id, stream.trailers, end_stream=True)
+            else:
+                conn.end_stream(stream.id)
+            stream.ended = True
+    except (StreamClosedError, ProtocolError):
+        return False
+    if not stream.pending:
+        stream.wake_out()
+    return True
 
 
 class H2Body:
