@@ -313,6 +313,7 @@ async def test_an_upload_reset_half_way_gives_back_the_connection_window(tmp_pat
                 sent += room
                 client.flush()
             else:
+                assert not client.closed, "the connection closed during the upload"
                 await _pump(client)
         await client.until(ended(3))
         assert status_of(client, 3) == b"200"
