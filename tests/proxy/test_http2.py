@@ -435,7 +435,7 @@ async def test_hpack_bomb_over_the_header_list_size_closes_the_connection(tmp_pa
         client.close()
 
 
-@pytest.mark.parametrize("flood", ["ping", "settings"])
+@pytest.mark.parametrize("flood", ["ping", "settings", "priority"])
 async def test_control_frame_floods_end_the_connection(tmp_path: Path, flood: str) -> None:
     async with upstream() as up, sidecar(tmp_path, up) as (port, _, proc):
         before = rss_kib(proc)
@@ -443,6 +443,8 @@ async def test_control_frame_floods_end_the_connection(tmp_path: Path, flood: st
         for i in range(5000):
             if flood == "ping":
                 client.conn.ping(b"%08d" % i)
+            elif flood == "priority":
+                client.conn.prioritize(2 * i + 1)
             else:
                 client.conn.update_settings({SettingCodes.ENABLE_PUSH: 0})
         client.flush()
