@@ -42,6 +42,7 @@ from sidecar.jsonapi import ExtraRoute
 from sidecar.lifecycle import Lifecycle
 from sidecar.proxy.certreload import RELOAD_RESULTS, CertReloader
 from sidecar.proxy.deps import ProxyDeps
+from sidecar.proxy.h2listen import DualServer
 from sidecar.proxy.handler import ProxyHandler
 from sidecar.proxy.respond import client_error
 from sidecar.proxy.runner import DrainingRunner
@@ -297,7 +298,7 @@ class Sidecar:
         self.admin_extra.extend(dlq_routes(self.dlqs.opened, self.dlqs.location))
         self.admin_extra.extend(idempotency_routes(lambda: self.keys.store))
 
-        server = SidecarServer(
+        server = DualServer(
             ProxyHandler(self.deps),
             header_timeout=lambda: self.store.current.limits.header_timeout,
             send_timeout=lambda: self.store.current.limits.send_timeout,

@@ -80,3 +80,21 @@ class Limits:
             "time the connection stays unwritable"
         ),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Http2:
+    """The top-level ``http2:`` section: what an HTTP/2 client connection is held to (the
+    listener's HTTP/2 front end, ``proxy/h2conn.py``); read when a connection is accepted."""
+
+    max_concurrent_streams: int = key(
+        100,
+        c.int_range(1, 10_000),
+        note="advertised in SETTINGS; a stream over it is refused (REFUSED_STREAM)",
+        help=(
+            "streams one HTTP/2 client connection may have in flight, advertised as "
+            "SETTINGS_MAX_CONCURRENT_STREAMS; one more is refused with RST_STREAM "
+            "REFUSED_STREAM (not processed, safe to retry); a stream its client reset counts "
+            "until its request has unwound. Applies to connections accepted after a reload"
+        ),
+    )

@@ -15,7 +15,7 @@ from sidecar.config.errors import ConfigIssue
 from sidecar.config.fileswitch import FileKillSwitch
 from sidecar.config.fleet import Fleet
 from sidecar.config.idempotency import IdempotencyPolicy, IdempotencyStorage
-from sidecar.config.limits import UNLIMITED_SIZE, Limits
+from sidecar.config.limits import UNLIMITED_SIZE, Http2, Limits
 from sidecar.config.policies import (
     AutoTimeout,
     Backoff,
@@ -62,6 +62,7 @@ __all__ = [
     "DlqRespond",
     "FileKillSwitch",
     "HedgePolicy",
+    "Http2",
     "IpNetwork",
     "Limits",
     "Listen",
@@ -378,6 +379,11 @@ class Config:
     )
     fleet: Fleet = section(Fleet, rows=True)
     limits: Limits = section(Limits, rows=True)
+    http2: Http2 = section(
+        Http2,
+        rows=True,
+        help="HTTP/2 clients on the proxy listener (h2c with prior knowledge, h2 by ALPN)",
+    )
     telemetry: Telemetry = section(Telemetry, rows=True)
     drain_timeout: float = key(
         20.0,  # applies to the next drain

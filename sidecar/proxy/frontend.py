@@ -1,10 +1,11 @@
 """What a front end gives the request path, and what it takes back: no protocol named.
 
-A front end (``proxy/h1.py``: HTTP/1.1 on aiohttp's server; HTTP/2 on the ``h2`` package to
-come) turns each client request into one ``ClientRequest`` -- method, target, headers, a body
-stream, who sent it, over TLS or not -- and gives a ``ResponseSink`` that the answer goes out
-through: its interim answers (1xx), its head, its body in chunks, its trailers, its end, or a
-cut when it cannot be completed; and it says whether the client is still there. The path
+A front end (``proxy/h1.py``: HTTP/1.1 on aiohttp's server; ``proxy/h2conn.py``: HTTP/2 on the
+``h2`` package) turns each client request into one ``ClientRequest`` -- method, target,
+headers, a body stream, who sent it, over TLS or not -- and gives a ``ResponseSink`` that the
+answer goes out through: its interim answers (1xx), its head, its body in chunks, its trailers,
+its end, or a cut when it cannot be completed; and it says whether the client is still there.
+The path
 (``admission`` .. ``relay``) reads and writes only these, so an HTTP/2 stream is one more
 implementation of each, and the held answer of a guarded write is one more sink
 (``proxy/held.py``).

@@ -81,6 +81,23 @@ class ProxyHandler:
         # the sink has written the answer already (proxy/h1.py).
         return cast(web.StreamResponse, sink)
 
+    async def serve(self, request: ClientRequest, sink: ResponseSink) -> None:
+        """One request of another front end (HTTP/2: ``proxy/h2conn.py``), run in a task of
+        its own that its client's reset cancels."""
+        try:
+            await self._handle(request, sink)
+        except (ConnectionError, asyncio.CancelledError):
+            raise
+        except Exception:
+            # A bug before the request was routed, as in ``__call__``.
+            if self._internal_errors.allow():
+                log.exception("internal error while proxying %s", request.method)
+            made = own_answer(outcomes.INTERNAL, Fate.EXHAUSTED, 0)
+            try:
+                send_made(sink, made, Fate.EXHAUSTED, 0)
+            except ConnectionError:
+                sink.abort()
+
     async def _handle(self, request: ClientRequest, sink: ResponseSink) -> None:
         ctx = admit(request, sink, self.deps, self._upstream_errors)
         if not isinstance(ctx, RequestContext):

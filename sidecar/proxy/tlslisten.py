@@ -36,8 +36,9 @@ from sidecar.telemetry.logs import RateLimit
 
 log = logging.getLogger("sidecar.tls")
 
-# The ALPN protocols the listener offers; the HTTP/2 work adds "h2" here.
-ALPN = ("http/1.1",)
+# The ALPN protocols the listener offers, preferred first: an "h2" connection goes to the HTTP/2
+# front end (proxy/h2listen.py).
+ALPN = ("h2", "http/1.1")
 
 # retry_sidecar_tls_handshakes_total{side="listener", result}
 OK = "ok"

@@ -168,6 +168,7 @@ TOP_KEYS: dict[str, st.SearchStrategy[Any]] = {
     "limits.keepalive_timeout": POSITIVE,
     "limits.max_request_body": kind([0, 512, "1MiB", "unlimited", 2**63 - 1], [2**63, -1, "none"]),
     "limits.send_timeout": POSITIVE,
+    "http2.max_concurrent_streams": kind([1, 100, 10_000], [0, 10_001, "many", True]),
     "telemetry.access_log": BOOLS,
     "server_tls.cert_file": kind([None], ["/nonexistent/cert.pem"]),
     "server_tls.key_file": kind([None], ["/nonexistent/key.pem"]),
