@@ -113,7 +113,9 @@ class H2Server(asyncio.Protocol):
         self._closed = asyncio.get_running_loop().create_future()
         self.h2.initiate_connection()
         self._write()
-        self._arm_idle()
+        # The first request is due within the head deadline, as an HTTP/1.1 connection's
+        # first head is: a header block trickled in CONTINUATION frames holds no buffer past it.
+        self._arm_idle(self.limits.header_timeout)
 
     def data_received(self, data: bytes) -> None:
         if self._lingering:
@@ -417,11 +419,11 @@ class H2Server(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
-    def _arm_idle(self) -> None:
+    def _arm_idle(self, after: float | None = None) -> None:
         self._disarm_idle()
         if self.transport is not None:
             self._idle_timer = asyncio.get_running_loop().call_later(
-                self.limits.idle, self._idle_out
+                self.limits.idle if after is None else after, self._idle_out
             )
 
     def _disarm_idle(self) -> None:

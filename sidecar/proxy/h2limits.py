@@ -28,13 +28,22 @@ _NO_LIMIT = 2**31  # h2's own stream check (a connection error) kept out of the 
 class H2Limits:
     """What a connection is held to, read from the config when it is accepted."""
 
-    __slots__ = ("header_bytes", "idle", "send_timeout", "streams")
+    __slots__ = ("header_bytes", "header_timeout", "idle", "send_timeout", "streams")
 
-    def __init__(self, streams: int, header_bytes: int, send_timeout: float, idle: float) -> None:
+    def __init__(
+        self,
+        streams: int,
+        header_bytes: int,
+        send_timeout: float,
+        idle: float,
+        header_timeout: float = 10.0,
+    ) -> None:
         self.streams: Final = streams
         self.header_bytes: Final = header_bytes
         self.send_timeout: Final = send_timeout
         self.idle: Final = idle
+        # the first request's headers are due this long after the connection was handed over
+        self.header_timeout: Final = header_timeout
 
 
 class _LocalSettings(Settings):
@@ -58,6 +67,7 @@ def limits_of(config: Config) -> H2Limits:
         limits.max_header_bytes,
         limits.send_timeout,
         limits.keepalive_timeout,
+        limits.header_timeout,
     )
 
 

@@ -419,6 +419,24 @@ async def test_continuation_flood_closes_the_connection(tmp_path: Path) -> None:
         client.close()
 
 
+async def test_a_header_block_never_finished_is_closed_at_the_head_deadline(
+    tmp_path: Path,
+) -> None:
+    """A first request's headers, begun and never ended (no END_HEADERS, no CONTINUATION),
+    are due within limits.header_timeout as an HTTP/1.1 head is: the connection is closed
+    then, not at the keep-alive timeout (75 s), and nothing reaches the upstream."""
+    top = "limits: {header_timeout: 1s}\n"
+    async with upstream() as up, sidecar(tmp_path, up, top) as (port, _, _proc):
+        client = await RawH2(port).open()
+        head = HeadersFrame(1)
+        head.data = b"\x82"  # :method GET, and never END_HEADERS
+        client.raw(head.serialize())
+        await client.until(terminated, timeout=30.0)  # the head deadline, not keep-alive's 75 s
+        assert client.closed or any(terminated(e) for e in client.events)
+        assert up.paths == []
+        client.close()
+
+
 async def test_hpack_bomb_over_the_header_list_size_closes_the_connection(tmp_path: Path) -> None:
     async with upstream() as up, sidecar(tmp_path, up) as (port, _, proc):
         before = rss_kib(proc)
