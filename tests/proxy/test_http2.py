@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 import signal
 import ssl
 import subprocess
@@ -249,6 +250,14 @@ async def test_100_concurrent_streams_on_one_connection(tmp_path: Path) -> None:
         assert len(up.paths) == 100
 
 
+# nghttp and h2load come with Debian's nghttp2-client (.ci/run installs it): skipped without.
+NGHTTP2 = pytest.mark.skipif(
+    shutil.which("nghttp") is None or shutil.which("h2load") is None,
+    reason="nghttp2-client (nghttp, h2load) is not installed",
+)
+
+
+@NGHTTP2
 async def test_nghttp_and_h2load(tmp_path: Path) -> None:
     async with upstream() as up, sidecar(tmp_path, up) as (port, _, _):
         out = await asyncio.to_thread(
@@ -502,6 +511,7 @@ async def test_zero_window_stall_resets_the_stream_after_the_send_timeout(tmp_pa
 # -- the drain --------------------------------------------------------------------------------
 
 
+@NGHTTP2
 async def test_sigterm_sends_goaway_and_lets_the_stream_in_flight_finish(tmp_path: Path) -> None:
     # nghttp: h2's own client takes a GOAWAY as the end of every stream.
     async with upstream() as up, sidecar(tmp_path, up) as (port, _, proc):
