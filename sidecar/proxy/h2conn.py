@@ -211,7 +211,7 @@ class H2Server(asyncio.Protocol):
         counted = event.flow_controlled_length or 0
         data = event.data or b""
         stream = self.streams.get(event.stream_id or 0)
-        if stream is None or stream.reset:
+        if stream is None or stream.cut:
             self._ack(event.stream_id or 0, counted)  # nobody reads it: the window back now
         else:
             if counted > len(data):  # padding: not the body's, given back at once
@@ -252,7 +252,7 @@ class H2Server(asyncio.Protocol):
     async def _run(self, stream: H2Stream, request: ClientRequest, sink: H2Sink) -> None:
         try:
             await self._serve(request, sink)
-            if stream.end_queued and not stream.ended and not stream.reset:
+            if stream.end_queued and not stream.ended and not stream.cut:
                 await self.drained(stream, 0)  # a whole answer still waiting for the window
         except ConnectionResetError:
             pass  # that wait ended with the stream reset
@@ -268,14 +268,14 @@ class H2Server(asyncio.Protocol):
         unread = stream.unread()
         if unread:
             self._ack(stream.id, unread)
-        if not stream.reset and not stream.ended:
+        if not stream.cut and not stream.ended:
             # The handler returned with the answer unfinished: never a truncated whole one.
             self._rst(stream.id, ErrorCodes.INTERNAL_ERROR)
-        elif not stream.reset and not stream.body_ended:
+        elif not stream.cut and not stream.body_ended:
             # Answered before the request's body ended: the rest is not wanted (RFC 9113
             # section 8.1).
             self._rst(stream.id, ErrorCodes.NO_ERROR)
-        stream.reset = True
+        stream.cut = True
         self._write()
         if not self.streams:
             self._arm_idle()
@@ -283,7 +283,7 @@ class H2Server(asyncio.Protocol):
 
     def _drop(self, stream: H2Stream) -> None:
         """The client reset ``stream`` (or the connection is gone): its task cancelled now."""
-        stream.reset = True
+        stream.cut = True
         stream.pending.clear()
         stream.wake_body()
         stream.wake_out()
@@ -293,16 +293,16 @@ class H2Server(asyncio.Protocol):
 
     def cut(self, stream: H2Stream) -> None:
         """The answer cannot be completed (``H2Sink.abort``): the stream reset."""
-        if not stream.reset:
+        if not stream.cut:
             self._rst(stream.id, ErrorCodes.INTERNAL_ERROR)
-            stream.reset = True
+            stream.cut = True
             stream.pending.clear()
             stream.wake_out()
             self._write()
 
     def consumed(self, stream: H2Stream, n: int) -> None:
         """``n`` bytes of ``stream``'s body were read: its window and the connection's open."""
-        if not stream.reset:
+        if not stream.cut:
             self._ack(stream.id, n)
             self._write()
 
@@ -340,7 +340,7 @@ class H2Server(asyncio.Protocol):
         a stream stalled past the send timeout is reset and its writer told the client left."""
         try:
             async with asyncio.timeout(self.limits.send_timeout):
-                while not stream.reset:
+                while not stream.cut:
                     if len(stream.pending) > high or (high == 0 and not stream.ended):
                         waiter = stream.out_waiter = asyncio.get_running_loop().create_future()
                         try:
@@ -355,10 +355,10 @@ class H2Server(asyncio.Protocol):
             self._count("send-timeout")
             self._say("an HTTP/2 stream took no answer bytes within the send timeout; reset")
             self._rst(stream.id, ErrorCodes.CANCEL)
-            stream.reset = True
+            stream.cut = True
             stream.pending.clear()
             self._write()
-        if stream.reset:
+        if stream.cut:
             raise ConnectionResetError("the client reset the stream")
 
     def _ack(self, sid: int, n: int) -> None:

@@ -52,12 +52,12 @@ class H2Stream:
         "body_ended",
         "body_waiter",
         "conn",
+        "cut",
         "end_queued",
         "ended",
         "id",
         "out_waiter",
         "pending",
-        "reset",
         "task",
         "trailers",
     )
@@ -73,7 +73,7 @@ class H2Stream:
         self.trailers: RawHeaders | None = None
         self.ended = False  # our side of the stream is closed
         self.out_waiter: asyncio.Future[None] | None = None
-        self.reset = False  # the client reset the stream, or the connection is gone
+        self.cut = False  # the client reset the stream, or the connection is gone
         self.task: asyncio.Task[None] | None = None
 
     def wake_body(self) -> None:
@@ -97,7 +97,7 @@ class H2Stream:
 def send_pending(conn: H2Connection, stream: H2Stream) -> bool:
     """Send what the peer's windows allow of ``stream``'s answer, and its end (trailers or
     END_STREAM) once all of it is sent. False: the stream turned out closed (reset)."""
-    if stream.reset or stream.ended:
+    if stream.cut or stream.ended:
         return True
     try:
         while stream.pending:
@@ -131,7 +131,7 @@ class H2Body:
     async def read(self, n: int) -> bytes:
         stream = self._stream
         while not stream.body:
-            if stream.reset:
+            if stream.cut:
                 raise ClientGone("the client reset its stream during its upload")
             if stream.body_ended:
                 return b""
@@ -170,11 +170,11 @@ class H2Sink:
         return self._sent
 
     def gone(self) -> bool:
-        return self._stream.reset
+        return self._stream.cut
 
     def _check(self) -> H2Stream:
         stream = self._stream
-        if stream.reset or stream.ended:
+        if stream.cut or stream.ended:
             raise ConnectionResetError("the client reset the stream")
         return stream
 
