@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tests import tlscerts
 from tests.difftools import free_port, run_nginx, wait_port
+from tests.proc import SidecarProcess
 
 LOG_FORMAT = "$server_port $request_method $request_uri sni=$ssl_server_name reused=$ssl_session_reused conn=$connection proto=$ssl_protocol"
 
@@ -160,3 +161,14 @@ def start(root: Path, ws_port: int = 1) -> Peers:
         )
         wait_port(port, peers.s_server, "openssl s_server")
     return peers
+
+
+@dataclass
+class World:
+    """The TLS peers, and the real sidecar process in front of them (the upstream TLS tests'
+    module fixtures)."""
+
+    peers: Peers
+    sidecar: SidecarProcess
+    port: int
+    admin: int

@@ -17,13 +17,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests import tlspeers
-from tests.proc import SidecarProcess, free_port, launched
+from tests.proc import free_port, launched
+from tests.tlspeers import World
 
 pytestmark = pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed")
 
@@ -68,14 +68,6 @@ def config(p: tlspeers.Peers, port: int, admin: int) -> str:
             f"{{ca_file: {ca}, server_name: localhost}}",
         )
     )
-
-
-@dataclass
-class World:
-    peers: tlspeers.Peers
-    sidecar: SidecarProcess
-    port: int
-    admin: int
 
 
 @pytest.fixture(scope="module")

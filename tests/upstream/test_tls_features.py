@@ -11,13 +11,13 @@ import json
 import shutil
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 import websockets
 
 from tests import tlspeers
-from tests.proc import SidecarProcess, free_port, launched
+from tests.proc import free_port, launched
+from tests.tlspeers import World
 
 pytestmark = pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed")
 
@@ -51,14 +51,6 @@ class EchoServer:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
-
-
-@dataclass
-class World:
-    peers: tlspeers.Peers
-    sidecar: SidecarProcess
-    port: int
-    admin: int
 
 
 @pytest.fixture(scope="module")
