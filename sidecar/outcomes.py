@@ -69,6 +69,8 @@ class OutcomeRow:
     # (a connect failure that knows it was refused).
     precise: tuple[str, ...] = ()
     error_code: str | None = None  # the x-retry-proxy-error value, when it is not ``name``
+    # The gRPC status of the answer to a gRPC call (``GRPC_CODES``): UNAVAILABLE unless said.
+    grpc: int = 14
 
     @property
     def code(self) -> str:
@@ -128,6 +130,7 @@ BAD_RESPONSE: Final = OutcomeRow(
     limit=NOT_COUNTED,
     endpoint=NOT_COUNTED,  # the link worked: the answer was wrong
     kind=OutcomeKind.BAD_RESPONSE,
+    grpc=13,  # INTERNAL: the answer was wrong, not missing
     precise=(
         "http_response_transfer_coding",
         "http_response_header_section_size",
@@ -200,6 +203,7 @@ DEADLINE: Final = OutcomeRow(
     status=504,
     proxy_status="http_response_timeout",
     message="the request deadline passed before the upstream answered",
+    grpc=4,  # DEADLINE_EXCEEDED
     breaker=NOT_COUNTED,  # spent before a byte was written (unless an earlier attempt failed)
     throttle=NOT_COUNTED,
     limit=NOT_COUNTED,
@@ -253,6 +257,7 @@ INTERNAL: Final = OutcomeRow(
     status=502,
     proxy_status="proxy_internal_error",
     message="internal error in the sidecar",
+    grpc=13,  # INTERNAL
     breaker=NOT_COUNTED,
     throttle=NOT_COUNTED,
     limit=NOT_COUNTED,
@@ -319,6 +324,7 @@ REFUSALS: Final[dict[int, str]] = {
     413: "http_request_denied",  # a body over limits.max_request_body
     417: "http_request_error",  # an Expect other than 100-continue
     431: "http_request_error",  # a head too large
+    503: "destination_unavailable",  # a gRPC call on a route that does not speak HTTP/2 upstream
 }
 
 # retry_on: the words, each one outcome kind, and the status groups.
@@ -338,3 +344,60 @@ DEFAULT_RETRY_STATUSES: Final = frozenset(STATUS_GROUPS["gateway-error"])
 def label(kind: OutcomeKind) -> str:
     """The name of an attempt's failure kind (``RESPONSE`` has none: its status is its label)."""
     return BY_KIND[kind].name
+
+
+# --- gRPC ----------------------------------------------------------------------------------------
+# The status names by code (gRPC's status codes 0-16): the label of grpc_calls_total{code}.
+GRPC_CODES: Final[tuple[str, ...]] = (
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+)
+# The gRPC status words of ``retry.retry_on`` (Envoy's ``retry-grpc-on``), each a code; the
+# default list has ``unavailable``.
+GRPC_RETRY_ON: Final[dict[str, int]] = {
+    "cancelled": 1,
+    "deadline-exceeded": 4,
+    "internal": 13,
+    "resource-exhausted": 8,
+    "unavailable": 14,
+}
+GRPC_OK: Final = 0
+GRPC_CANCELLED: Final = 1
+GRPC_UNKNOWN: Final = 2
+GRPC_INTERNAL: Final = 13
+GRPC_UNAVAILABLE: Final = 14
+DEFAULT_RETRY_GRPC: Final = frozenset({GRPC_UNAVAILABLE})
+# What a gRPC client makes of an HTTP status (gRPC's HTTP-to-gRPC mapping): the status of the
+# sidecar's own refusals of a gRPC call; any other status is UNKNOWN (2).
+GRPC_OF_HTTP: Final[dict[int, int]] = {
+    400: 13,
+    401: 16,
+    403: 7,
+    404: 12,
+    413: 8,
+    429: 14,
+    431: 8,
+    502: 14,
+    503: 14,
+    504: 14,
+}
+
+
+def grpc_name(code: int) -> str:
+    """The name of a gRPC status code; an unknown code is UNKNOWN, as gRPC reads it."""
+    return GRPC_CODES[code] if 0 <= code < len(GRPC_CODES) else GRPC_CODES[2]

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 from sidecar.config.model import Route
 from sidecar.core import AttemptTimeout, Fate, UpstreamError
-from sidecar.engine.attempted import Attempted
+from sidecar.engine.attempted import Attempted, outcome_of
 from sidecar.engine.gate import SequenceGate
-from sidecar.engine.loop import Driver, outcome_of
+from sidecar.engine.loop import Driver
 from sidecar.engine.routestate import RouteState
 from sidecar.engine.sequence import shaped
 from sidecar.lifecycle import Lifecycle

@@ -357,6 +357,7 @@ def _retry_on(value: object) -> RetryOn:
         raise Invalid(f"expected a list like [{words}, 503]")
     kinds: set[OutcomeKind] = set()
     statuses: set[int] = set()
+    grpc: set[int] = set()
     for item in value:
         if isinstance(item, bool):
             raise Invalid(f"unknown retry condition {item!r}")
@@ -371,19 +372,24 @@ def _retry_on(value: object) -> RetryOn:
             statuses.update(outcomes.STATUS_GROUPS[item])
         elif isinstance(item, str) and item in outcomes.RETRY_ON_WORDS:
             kinds.add(outcomes.RETRY_ON_WORDS[item])
+        elif isinstance(item, str) and item in outcomes.GRPC_RETRY_ON:
+            grpc.add(outcomes.GRPC_RETRY_ON[item])
         else:
             groups = " or ".join(outcomes.STATUS_GROUPS)
+            codes = ", ".join(outcomes.GRPC_RETRY_ON)
             raise Invalid(
-                f"unknown retry condition {item!r} (use {words}, a status code, {groups})"
+                f"unknown retry condition {item!r} (use {words}, a status code, {groups}, "
+                f"or a gRPC status: {codes})"
             )
-    return RetryOn(kinds=frozenset(kinds), statuses=frozenset(statuses))
+    return RetryOn(kinds=frozenset(kinds), statuses=frozenset(statuses), grpc=frozenset(grpc))
 
 
 def retry_on_written(value: RetryOn) -> list[str | int]:
     """``retry_on`` as a config writes it (the inverse of ``_retry_on``), words in the table's
     order."""
     words: list[str | int] = [w for w, k in outcomes.RETRY_ON_WORDS.items() if k in value.kinds]
-    return words + sorted(value.statuses)
+    grpc = [w for w, code in outcomes.GRPC_RETRY_ON.items() if code in value.grpc]
+    return words + sorted(value.statuses) + grpc
 
 
 def size(value: object) -> int:

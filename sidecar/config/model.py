@@ -39,11 +39,13 @@ from sidecar.config.tls import RouteTls, ServerTls
 from sidecar.config.values import (
     HEDGE_METHODS,
     IDEMPOTENT_METHODS,
+    UPSTREAM_PROTOCOLS,
     IpNetwork,
     Listen,
     PathPattern,
     RetryOn,
     Upstream,
+    UpstreamProtocol,
 )
 
 __all__ = [
@@ -154,6 +156,18 @@ class Route:
             "the longest silence between two reads of a response body being relayed, after its "
             "head (nginx's `proxy_read_timeout`, 60 s); a body that stalls longer is cut. Per "
             "route like `timeout`"
+        ),
+    )
+    upstream_protocol: UpstreamProtocol = key(
+        "http1",
+        c.Choice(UPSTREAM_PROTOCOLS),
+        note="h2: HTTP/2 to the upstream (needed for gRPC); auto: by ALPN over https://",
+        help=(
+            "what the sidecar speaks to the route's upstreams: `http1` (HTTP/1.1, the default), "
+            "`h2` (HTTP/2: h2c with prior knowledge over `http://`, h2 by ALPN over `https://`; "
+            "what a gRPC call needs), or `auto` (over `https://` ALPN offers both and the "
+            "upstream chooses; over `http://` it is `http1`). A client of either protocol is "
+            'served by an upstream of either; see "HTTP/2 and gRPC"'
         ),
     )
     tls: RouteTls = section(

@@ -126,7 +126,12 @@ class RetryPolicy:
         RetryOn(),
         c._retry_on,
         show=c.retry_on_written,
-        help="also any status code, `5xx`, `gateway-error` (502, 503, 504), `429`",
+        help=(
+            "also any status code, `5xx`, `gateway-error` (502, 503, 504), `429`; for a gRPC "
+            "call, the gRPC statuses `cancelled`, `deadline-exceeded`, `internal`, "
+            "`resource-exhausted`, `unavailable` (as Envoy's retry-grpc-on; the default has "
+            '`unavailable`), read from the trailers or a Trailers-Only answer; see "gRPC"'
+        ),
     )
     retry_after: RetryAfter = section(
         RetryAfter,

@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
-from sidecar.outcomes import DEFAULT_RETRY_KINDS, DEFAULT_RETRY_STATUSES, OutcomeKind
+from sidecar.outcomes import (
+    DEFAULT_RETRY_GRPC,
+    DEFAULT_RETRY_KINDS,
+    DEFAULT_RETRY_STATUSES,
+    OutcomeKind,
+)
 
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+# What a route speaks to its upstreams (``upstream_protocol``).
+UpstreamProtocol = Literal["http1", "h2", "auto"]
+UPSTREAM_PROTOCOLS: tuple[UpstreamProtocol, ...] = ("http1", "h2", "auto")
 
 # RFC 9110 section 9.2.2 (what may be retried after its bytes may have reached the upstream).
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
@@ -21,10 +29,11 @@ HEDGE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 @dataclass(frozen=True, slots=True)
 class RetryOn:
     """The outcomes that may be retried: failure kinds (the ``retry_on`` words of
-    ``sidecar.outcomes``) and upstream statuses."""
+    ``sidecar.outcomes``), upstream statuses, and the gRPC statuses of a gRPC call's answer."""
 
     kinds: frozenset[OutcomeKind] = DEFAULT_RETRY_KINDS
     statuses: frozenset[int] = DEFAULT_RETRY_STATUSES
+    grpc: frozenset[int] = DEFAULT_RETRY_GRPC
 
 
 class PathPattern(Protocol):

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sidecar.core import LocalOverload, UpstreamError
+from sidecar.core import Fate, LocalOverload, UpstreamError
+from sidecar.outcomes import OutcomeKind
 from sidecar.retry.classify import Outcome
 from sidecar.retry.endpoints import Endpoint
 
@@ -52,3 +53,16 @@ class Attempted:
     def discard(self) -> None:
         if self.response is not None:
             self.response.discard()
+
+
+def outcome_of(response: UpstreamResponse, refused_below: Fate | None = None) -> Outcome:
+    ra = response.retry_after
+    pb = response.pushback
+    return Outcome(
+        OutcomeKind.RESPONSE,
+        status=response.status,
+        retry_after=ra.decode("latin-1") if ra is not None else None,
+        refused_below=refused_below,
+        grpc=response.grpc_status,
+        pushback=pb.decode("latin-1") if pb is not None else None,
+    )

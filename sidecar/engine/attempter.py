@@ -17,8 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from sidecar import outcomes
 from sidecar.config.model import Route
 from sidecar.core import Clock, ConcurrencyLimited, LocalOverload, UpstreamError
-from sidecar.engine.attempted import Attempted
-from sidecar.engine.loop import outcome_of
+from sidecar.engine.attempted import Attempted, outcome_of
 from sidecar.engine.reservation import Reservation
 from sidecar.engine.routestate import RouteState
 from sidecar.outcomes import Effect, OutcomeKind

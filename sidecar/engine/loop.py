@@ -34,14 +34,14 @@ from sidecar.core import (
 from sidecar.engine.attempted import Attempted
 from sidecar.engine.attempts import AttemptSet
 from sidecar.engine.reservation import Reservation
-from sidecar.outcomes import Effect, OutcomeKind
+from sidecar.outcomes import Effect
 from sidecar.retry.backoff import Rng
 from sidecar.retry.classify import Outcome, is_retryable
 from sidecar.retry.deadline import Deadline
 from sidecar.retry.decide import Constraints, Decision, Retry, Stop, decide, stop
 from sidecar.retry.endpoints import Endpoint
 from sidecar.telemetry.events import EventSink, HedgeEvent, RetrySent
-from sidecar.upstream.client import UpstreamResponse
+from sidecar.upstream.client import Replay, UpstreamResponse
 
 # A failed answer whose body has all arrived and is at most this long is kept through the
 # backoff without its connection (``UpstreamResponse.detach``), so that a retry the sidecar's
@@ -145,15 +145,10 @@ class SequenceResult:
     def response_status(self) -> int | None:
         return self.response.status if self.response is not None else None
 
-
-def outcome_of(response: UpstreamResponse, refused_below: Fate | None = None) -> Outcome:
-    ra = response.retry_after
-    return Outcome(
-        OutcomeKind.RESPONSE,
-        status=response.status,
-        retry_after=ra.decode("latin-1") if ra is not None else None,
-        refused_below=refused_below,
-    )
+    @property
+    def response_grpc(self) -> int:
+        """The gRPC status of an answer not committed (-1: none, or not a gRPC call)."""
+        return self.response.grpc_status if self.response is not None else -1
 
 
 def _result(
@@ -195,6 +190,7 @@ class Driver:
         "policy",
         "previous_delay",
         "reached",
+        "replay",
         "rng",
         "route",
         "used",
@@ -211,6 +207,7 @@ class Driver:
         *,
         events: EventSink,
         gate: RetryGate,
+        replay: Replay | None = None,
     ) -> None:
         self.route = route
         self.policy = route.retry
@@ -221,6 +218,9 @@ class Driver:
         self.rng = rng
         self.events = events
         self.gate = gate
+        # A request stream kept while it fits (a gRPC call's): resendable until it outgrew
+        # the buffer (gRFC A6's commit on the request side).
+        self.replay = replay
         self.number = 0  # attempts that left (or are on their way): what counts
         self.issued = 0  # attempt numbers handed out (a hedge's: see ``uncount``)
         self.hedges = 0
@@ -270,6 +270,9 @@ class Driver:
         c = self.c
         if not c.killed and self.gate.killed():
             c = Constraints(c.may_resend, c.body_replayable, c.edge_owned, True, c.once)
+        replay = self.replay
+        if replay is not None and not replay.replayable:
+            c = Constraints(c.may_resend, False, c.edge_owned, c.killed, c.once)
         decision = decide(
             self.policy,
             outcome,

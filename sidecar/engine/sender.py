@@ -22,7 +22,7 @@ from sidecar.core import Clock, UpstreamError
 from sidecar.retry.deadline import Deadline
 from sidecar.retry.endpoints import Endpoint
 from sidecar.telemetry.tracing import Tracing
-from sidecar.upstream.client import Body, UpstreamClient, UpstreamResponse
+from sidecar.upstream.client import Body, Replay, UpstreamClient, UpstreamResponse
 from sidecar.upstream.tls import RouteContext, TlsTarget
 
 if TYPE_CHECKING:
@@ -36,9 +36,13 @@ class AttemptSender:
         "_client",
         "_clock",
         "_deadline",
+        "_grpc",
+        "_grpc_previous",
         "_head_base",
         "_head_only",
         "_method",
+        "_protocol",
+        "_replay",
         "_span",
         "_target",
         "_tls",
@@ -63,6 +67,10 @@ class AttemptSender:
         target: str = "",
         tls: RouteContext | None = None,
         tls_hosts: dict[str, str] | None = None,
+        protocol: str = "http1",
+        grpc: bool = False,
+        grpc_previous: bytes | None = None,
+        replay: Replay | None = None,
     ) -> None:
         self._client = client
         self._clock = clock
@@ -79,6 +87,10 @@ class AttemptSender:
         # The route's TLS context, and the URL host of its https:// endpoints by name.
         self._tls = tls
         self._tls_hosts = tls_hosts
+        self._protocol = protocol  # the route's upstream_protocol
+        self._grpc = grpc  # a gRPC call: grpc-timeout and grpc-previous-rpc-attempts per attempt
+        self._grpc_previous = grpc_previous  # the client's own count, passed on by the first
+        self._replay = replay  # a request stream kept for a retry: each attempt reads it anew
 
     def time_left(self) -> float:
         """Called once a streamed body has been sent: the deadline starts from there."""
@@ -94,6 +106,17 @@ class AttemptSender:
             attempt,
             remaining,
         )
+        body = self._body
+        if self._grpc:
+            # The time left as the call's own deadline (gRPC's "m": milliseconds, at most 8
+            # digits), and how many attempts came before this one (gRFC A6).
+            head += b"grpc-timeout: %dm\r\n" % min(max(remaining, 1), 99_999_999)
+            if attempt > 1:
+                head += b"grpc-previous-rpc-attempts: %d\r\n" % (attempt - 1)
+            elif self._grpc_previous is not None:
+                head += b"grpc-previous-rpc-attempts: " + self._grpc_previous + b"\r\n"
+            if self._replay is not None:
+                body = self._replay.stream()
         tls: TlsTarget | None = None
         if self._tls is not None and self._tls_hosts:
             host = self._tls_hosts.get(endpoint.name)
@@ -118,13 +141,15 @@ class AttemptSender:
                 endpoint.host,
                 endpoint.port,
                 head + b"\r\n",
-                self._body,
+                body,
                 timeout,
                 self._head_only,
                 chunked=self._chunked,
                 time_left=self.time_left,
                 upgrade=self._upgrade,
                 tls=tls,
+                protocol=self._protocol,
+                grpc=self._grpc,
             )
         except BaseException as exc:
             if attempt_span is not None:

@@ -14,6 +14,7 @@ from sidecar.proxy import forward
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.frontend import ClientRequest, ResponseSink
+from sidecar.proxy.grpccall import GrpcSink, grpc_timeout_ms
 from sidecar.proxy.respond import Made, refusal
 from sidecar.proxy.routing import Refused, find_route, request_target
 from sidecar.proxy.tunnel import upgrade_headers, upgrade_wanted
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
 
+# A gRPC call's fields each attempt sets anew.
+GRPC_PER_ATTEMPT = frozenset({b"grpc-timeout", b"grpc-previous-rpc-attempts"})
 _TRUST_CACHE: dict[str, bool] = {}
 _TRUST_NETS: list[tuple[IpNetwork, ...]] = [()]
 
@@ -91,10 +94,15 @@ def default_host(upstream: Upstream) -> bytes:
 
 
 def admit(
-    request: ClientRequest, sink: ResponseSink, deps: ProxyDeps, warnings: RateLimit
+    request: ClientRequest,
+    sink: ResponseSink,
+    deps: ProxyDeps,
+    warnings: RateLimit,
+    grpc: GrpcSink | None = None,
 ) -> RequestContext | Made:
     """The request's context, or the answer that refuses it (431, 400, 404, 413, 417; nothing
-    sent upstream, no sequence counted). Its span starts here."""
+    sent upstream, no sequence counted). Its span starts here. ``grpc``: a gRPC call's sink
+    (``sink`` is it)."""
     config: Config = deps.store.current  # one snapshot for the whole sequence
     method = request.method
     target = request.target
@@ -121,6 +129,13 @@ def admit(
             413, f"request body of {length} bytes is over {config.limits.max_request_body}"
         )
 
+    if grpc is not None and route.upstream_protocol != "h2":
+        return refusal(
+            503,
+            f"route {route.name} speaks HTTP/1.1 to its upstream: a gRPC call needs "
+            "upstream_protocol: h2",
+        )
+
     expect = fields.get("Expect")
     if expect is not None and expect.lower() != "100-continue":
         return refusal(417, f"unsupported expectation {expect!r}")
@@ -136,6 +151,19 @@ def admit(
         authority=where.authority.encode("latin-1") if where.authority else None,
         tls_host=tls_host(route) if route.upstream.tls else None,
     )
+    grpc_previous: bytes | None = None
+    if grpc is not None:
+        # The call's deadline is the smaller of grpc-timeout and the route's; each attempt
+        # sends the time left as its own grpc-timeout (engine/sender.py), and its count of
+        # previous attempts.
+        limit = grpc_timeout_ms(fields.get("grpc-timeout"))
+        if limit is not None:
+            mine = b"%d" % limit
+            timeout_ms = mine if timeout_ms is None else timeout_ms + b"," + mine
+        grpc_previous = next(
+            (v for k, v in shared if k.lower() == b"grpc-previous-rpc-attempts"), None
+        )
+        shared = [(k, v) for k, v in shared if k.lower() not in GRPC_PER_ATTEMPT]
     if request.client_cert is not None and route.forward_client_cert:
         shared.append((b"X-Forwarded-Client-Cert", request.client_cert))
     # A tunnel asked for (proxy/tunnel.py), on a route that passes upgrades.
@@ -170,4 +198,6 @@ def admit(
         span=span,
         start=deps.clock.monotonic(),
         warnings=warnings,
+        grpc=grpc,
+        grpc_previous=grpc_previous,
     )

@@ -27,6 +27,7 @@ from sidecar.config.model import Config, Route
 from sidecar.engine.answered import Answered
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.frontend import ClientRequest, ResponseSink
+from sidecar.proxy.grpccall import GrpcSink
 from sidecar.retry.deadline import Deadline, parse_timeout_ms
 from sidecar.telemetry.events import SequenceEnded
 from sidecar.telemetry.logs import TRACE, RateLimit
@@ -48,6 +49,8 @@ class RequestContext:
         "edge",
         "ended",
         "expects_continue",
+        "grpc",
+        "grpc_previous",
         "headers",
         "request",
         "route",
@@ -80,6 +83,8 @@ class RequestContext:
         span: Span | None,
         start: float,
         warnings: RateLimit,
+        grpc: GrpcSink | None = None,
+        grpc_previous: bytes | None = None,
     ) -> None:
         self.request = request
         self.sink = sink  # where the answer goes (a guarded write's: held, proxy/held.py)
@@ -101,6 +106,10 @@ class RequestContext:
             parse_timeout_ms(timeout_ms.decode("latin-1") if timeout_ms is not None else None),
         )
         self.warnings = warnings  # the handler's rate limit for upstream warnings
+        # A gRPC call: its sink (which makes the sidecar's answers gRPC ones and notes the
+        # final status), and the client's grpc-previous-rpc-attempts.
+        self.grpc = grpc
+        self.grpc_previous = grpc_previous
         # Counted once: a tunnel is counted at its 101, before its handler returns.
         self.ended = False
 
@@ -138,6 +147,7 @@ class RequestContext:
                 upstream=answered.endpoint,
                 sent=answered.sent,
                 trace_id=trace_id,
+                grpc=self.grpc.code_name(answered.fate) if self.grpc is not None else None,
             )
         )
 

@@ -34,9 +34,10 @@ from sidecar.proxy.body import BodyMalformed, BodyStalled, BodyTooLarge, ClientG
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.frontend import ClientRequest, ResponseSink
+from sidecar.proxy.grpccall import GrpcSink, is_grpc
 from sidecar.proxy.guarded import guards, run_guarded, too_large
 from sidecar.proxy.h1 import H1Sink, client_request
-from sidecar.proxy.intake import no_body, read_body
+from sidecar.proxy.intake import no_body, read_body, replay_body
 from sidecar.proxy.respond import Made, own_answer, refusal, send_made
 from sidecar.proxy.run import run_sequence
 from sidecar.proxy.server import GuardedRequestHandler
@@ -99,7 +100,10 @@ class ProxyHandler:
                 sink.abort()
 
     async def _handle(self, request: ClientRequest, sink: ResponseSink) -> None:
-        ctx = admit(request, sink, self.deps, self._upstream_errors)
+        grpc: GrpcSink | None = None
+        if request.method == "POST" and is_grpc(request.fields.get("Content-Type")):
+            sink = grpc = GrpcSink(sink)  # the sidecar's own answers as gRPC answers
+        ctx = admit(request, sink, self.deps, self._upstream_errors, grpc)
         if not isinstance(ctx, RequestContext):
             # Refused before any sequence: not counted as a request of a route.
             send_made(sink, ctx, Fate.NOT_RETRYABLE, 0)
@@ -151,6 +155,11 @@ class ProxyHandler:
         ctx.end(answered)
 
     async def _steps(self, ctx: RequestContext, request: ClientRequest) -> Answered:
+        if ctx.grpc is not None:
+            # Never guarded nor kept in the DLQ: a gRPC call follows gRPC's retry rules, its
+            # request stream sent as it comes (a bidirectional call answers meanwhile).
+            intake = replay_body(ctx) if request.has_body else no_body(ctx)
+            return await run_sequence(ctx, intake, ctx.sink)
         if ctx.route.idempotency.enabled and guards(ctx):  # a write its route guards
             length = request.content_length
             if length is not None and length > ctx.route.retry.max_body_bytes:

@@ -23,7 +23,7 @@ from sidecar.upstream.client import Body
 
 def wants_capture(ctx: RequestContext) -> bool:
     """Whether the DLQ is consulted for this request: a write on a route that has one."""
-    return ctx.route.dlq.enabled and ctx.request.method in WRITE_METHODS
+    return ctx.route.dlq.enabled and ctx.request.method in WRITE_METHODS and ctx.grpc is None
 
 
 async def respond(ctx: RequestContext, sink: ResponseSink, seq: Sequence, body: Body) -> Answered:

@@ -4,7 +4,7 @@ it), and framed for the upstream (Content-Length, or chunked when the client sen
 
 from __future__ import annotations
 
-from sidecar.proxy.body import BodyStream, BodyTooLarge, read_prefix
+from sidecar.proxy.body import BodyStream, BodyTooLarge, ReplayBody, read_prefix
 from sidecar.proxy.context import RequestContext
 from sidecar.upstream.client import Body
 
@@ -12,12 +12,15 @@ from sidecar.upstream.client import Body
 class Intake:
     """The body as the sequence sends it."""
 
-    __slots__ = ("body", "chunked", "replayable")
+    __slots__ = ("body", "chunked", "replay", "replayable")
 
-    def __init__(self, body: Body, chunked: bool, replayable: bool) -> None:
+    def __init__(
+        self, body: Body, chunked: bool, replayable: bool, replay: ReplayBody | None = None
+    ) -> None:
         self.body = body
         self.chunked = chunked
         self.replayable = replayable  # buffered: it may be sent again
+        self.replay = replay  # a stream kept while it fits (a gRPC call's): body is None
 
 
 def no_body(ctx: RequestContext) -> Intake:
@@ -25,6 +28,23 @@ def no_body(ctx: RequestContext) -> Intake:
     if ctx.request.method in ("POST", "PUT", "PATCH"):
         ctx.headers.append((b"Content-Length", b"0"))
     return Intake(None, False, ctx.upgrade is None)  # an upgrade is sent once
+
+
+def replay_body(ctx: RequestContext) -> Intake:
+    """A gRPC call's request stream: sent as it arrives, kept up to ``retry.max_body_bytes``
+    for a retry (``body.ReplayBody``)."""
+    limits = ctx.config.limits
+    max_total = limits.max_request_body
+    replay = ReplayBody(
+        ctx.request.body,
+        min(ctx.route.retry.max_body_bytes, max_total),
+        max_total,
+        limits.body_idle_timeout,
+    )
+    length = ctx.request.content_length
+    if length is not None:
+        ctx.headers.append((b"Content-Length", str(length).encode()))
+    return Intake(None, False, True, replay)  # replayable until it outgrows the buffer
 
 
 async def read_body(ctx: RequestContext) -> Intake:

@@ -15,6 +15,7 @@ from sidecar.engine.sequence import Sequence
 from sidecar.proxy import forward
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.frontend import Head, RawHeaders, ResponseSink
+from sidecar.proxy.grpccall import status_in
 from sidecar.proxy.respond import own_answer, send_made
 from sidecar.upstream.client import UpstreamResponse
 
@@ -104,7 +105,10 @@ async def stream(
     kept = (*raw, *dlq_fields(captured)) if captured is not None else tuple(raw)
     fate: str = result.fate  # a StrEnum: no .value lookup per request
     attempts = result.attempts
-    if not up.has_body or (up.complete and up.buffered_bytes <= sink.whole_limit):
+    trailers = up.trailers
+    if trailers is None and (
+        not up.has_body or (up.complete and up.buffered_bytes <= sink.whole_limit)
+    ):
         # The whole body is already here (the common small response): one write.
         body = up.take_body() if up.has_body else b""
         up.release()
@@ -120,8 +124,11 @@ async def stream(
             if not chunk:
                 break
             await sink.write(chunk)
+        trailers = up.trailers
         up.release()
-        await sink.end()
+        await sink.end(trailers)
+        if trailers is not None and ctx.grpc is not None and committed_failure(ctx, trailers):
+            seq.body_failed()  # a listed gRPC status after the call was committed
     except UpstreamError as exc:
         # The upstream broke after the head went out: the client must see a broken
         # response (connection cut, no terminating chunk), never a truncated whole one.
@@ -154,6 +161,13 @@ async def stream(
         up.discard()
         raise
     return _answered(up, kept, fate, attempts, None, captured=captured, sent=sink.sent)
+
+
+def committed_failure(ctx: RequestContext, trailers: RawHeaders) -> bool:
+    """A gRPC call's trailers carry a status its route lists in ``retry_on``: too late to
+    retry (its first message went out), but a failure for the breaker, as a listed 503."""
+    code = status_in(trailers)
+    return code > 0 and code in ctx.route.retry.retry_on.grpc
 
 
 def _answered(

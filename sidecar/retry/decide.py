@@ -16,7 +16,7 @@ from sidecar.retry import backoff
 from sidecar.retry.backoff import Rng
 from sidecar.retry.classify import Outcome, is_retryable, is_success, nothing_reached_upstream
 from sidecar.retry.deadline import Deadline
-from sidecar.retry.retry_after import parse_retry_after
+from sidecar.retry.retry_after import parse_pushback, parse_retry_after
 
 # Retry-After is honoured with up to this fraction of extra jitter, so that every client told
 # "wait 5s" does not come back in the same millisecond.
@@ -110,6 +110,18 @@ def decide(
         return _STOP[Fate.KILL_SWITCH]
 
     remaining = deadline.remaining(now)
+    if outcome.pushback is not None and outcome.grpc > 0:
+        # gRFC A6: the server's pushback is obeyed as Retry-After is; a negative or malformed
+        # one means "do not retry", whatever the policy says.
+        pushed = parse_pushback(outcome.pushback)
+        if pushed is None:
+            return _STOP[Fate.NOT_RETRYABLE]
+        if policy.retry_after.honor:
+            d = min(pushed, policy.retry_after.max)
+            d += rng.uniform(0.0, d * RETRY_AFTER_JITTER)
+            if d >= remaining:
+                return _STOP[Fate.RETRY_AFTER_TOO_LONG]
+            return Retry(d, from_retry_after=True)
     if (
         policy.retry_after.honor
         and outcome.kind is OutcomeKind.RESPONSE

@@ -103,3 +103,16 @@ def _other_date(v: str) -> float | None:
     if when is None or when.tzinfo is None:
         return None
     return when.timestamp()
+
+
+def parse_pushback(value: str) -> float | None:
+    """A gRPC ``grpc-retry-pushback-ms`` (gRFC A6): a signed 32-bit integer of milliseconds,
+    as seconds; None when it says "do not retry" (negative, or not such an integer)."""
+    v = value.strip()
+    digits = v[1:] if v[:1] in ("+", "-") else v
+    if not digits.isdigit() or not digits.isascii() or len(digits) > 10:
+        return None
+    n = int(v)
+    if n < 0 or n > 2**31 - 1:
+        return None
+    return n / 1000.0

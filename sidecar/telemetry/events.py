@@ -43,6 +43,7 @@ class SequenceEnded:
     upstream: str = ""  # the endpoint whose answer was relayed, "" when none was
     sent: int = 0  # body bytes sent to the client
     trace_id: str | None = None  # the request's trace, when traced
+    grpc: str | None = None  # a gRPC call's final status name (OK, UNAVAILABLE...)
 
     # An explicit __init__: mypyc compiles it, where the one @dataclass generates stays
     # interpreted (~3,000 instructions per object made, against ~300). One is made per request.
@@ -60,6 +61,7 @@ class SequenceEnded:
         upstream: str = "",
         sent: int = 0,
         trace_id: str | None = None,
+        grpc: str | None = None,
     ) -> None:
         self.route = route
         self.method = method
@@ -72,6 +74,7 @@ class SequenceEnded:
         self.upstream = upstream
         self.sent = sent
         self.trace_id = trace_id
+        self.grpc = grpc
 
 
 @dataclass(slots=True)

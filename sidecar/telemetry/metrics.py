@@ -254,6 +254,11 @@ class Metrics:
             "mismatch (a key of another certificate), expired (outside its validity period); "
             "refused ones leave the pair in force serving.",
         )
+        self.grpc_calls = Counter(
+            "grpc_calls_total",
+            "gRPC calls (content-type application/grpc) by route and the final gRPC status "
+            "the client got (OK, UNAVAILABLE, DEADLINE_EXCEEDED...).",
+        )
         self.build_info = Gauge(
             "build_info", "1, labelled with the version and the build (compiled or pure)."
         )
@@ -298,6 +303,7 @@ class Metrics:
             self.tls_handshakes,
             self.tls_cert_expiry,
             self.tls_reloads,
+            self.grpc_calls,
             self.build_info,
         ]
 
@@ -363,6 +369,8 @@ class Metrics:
             self.request_duration.exemplar(self._route_labels(e.route), e.duration, e.trace_id)
         if e.fate == "budget-exhausted":
             self.budget_exhausted.inc(self._route_labels(e.route))
+        if e.grpc is not None:
+            self.grpc_calls.inc((("route", e.route), ("code", e.grpc)))
 
     def hedged(self, e: HedgeEvent) -> None:
         self.hedges.inc((("route", e.route), ("result", e.result)))

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 from sidecar.config.tls import RouteTls
 from sidecar.core import ConnectFailure, NoTimeLeft, UpstreamError, UpstreamReset
 from sidecar.upstream.connection import Connection
+from sidecar.upstream.h2pool import H2Pool, SpeaksHttp1
+from sidecar.upstream.h2stream import H2Exchange
 from sidecar.upstream.pool import Pool, PoolSettings, PoolStats
 from sidecar.upstream.states import Req
 from sidecar.upstream.tls import TlsContexts, TlsTarget
@@ -15,6 +18,20 @@ from sidecar.upstream.upload import send_stream
 
 Headers = list[tuple[bytes, bytes]]
 Body = bytes | AsyncIterator[bytes] | None
+
+
+class Replay(Protocol):
+    """A request stream sent as it arrives and kept for a retry while it fits (a gRPC call's
+    messages: ``proxy/body.py``'s ``ReplayBody``)."""
+
+    @property
+    def replayable(self) -> bool:
+        """Everything read so far is kept: a retry can send it again."""
+        ...
+
+    def stream(self) -> AsyncIterator[bytes]:
+        """The body from its start: what is kept, then the rest as it arrives."""
+        ...
 
 
 class _Kept:
@@ -50,9 +67,11 @@ class UpstreamResponse:
         "_done",
         "_kept",
         "_pool",
+        "grpc_status",
         "headers",
         "interim",
         "proxy_error",
+        "pushback",
         "retry_after",
         "status",
     )
@@ -69,6 +88,15 @@ class UpstreamResponse:
         # Read while the head was parsed (no second scan of the headers for them).
         self.retry_after = conn.retry_after
         self.proxy_error = conn.proxy_error  # x-retry-proxy-error, set by an inner sidecar
+        # A gRPC call's status while it is not committed (an HTTP/2 upstream's Trailers-Only
+        # answer, or trailers with no message), else -1; and its grpc-retry-pushback-ms.
+        self.grpc_status = -1
+        self.pushback: bytes | None = None
+
+    @property
+    def trailers(self) -> list[tuple[bytes, bytes]] | None:
+        """The trailers, once the body has ended (HTTP/2 upstreams; HTTP/1.1 ones: none)."""
+        return None
 
     @property
     def endpoint(self) -> str:
@@ -173,6 +201,99 @@ class UpstreamResponse:
             self._pool.release(self._conn)
 
 
+class H2Response(UpstreamResponse):
+    """An HTTP/2 upstream's response: one stream of a shared connection (``h2pool``)."""
+
+    __slots__ = ("_endpoint", "_ex")
+
+    def __init__(self, ex: H2Exchange, endpoint: str) -> None:
+        # The HTTP/1.1 connection's slots (_pool, _conn) stay unset: every method that reads
+        # them is overridden here.
+        self._ex = ex
+        self._endpoint = endpoint
+        self._done = False
+        self._kept = None
+        self.status = ex.status
+        self.headers = ex.headers
+        self.interim = ex.interim
+        ra: bytes | None = None
+        pe: bytes | None = None
+        for k, v in ex.headers:
+            if k == b"retry-after":
+                ra = v
+            elif k == b"x-retry-proxy-error":
+                pe = v
+        self.retry_after = ra
+        self.proxy_error = pe
+        self.grpc_status = ex.grpc_status
+        self.pushback = ex.pushback
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    @property
+    def trailers(self) -> list[tuple[bytes, bytes]] | None:
+        return self._ex.trailers
+
+    @property
+    def content_length(self) -> int | None:
+        for k, v in self.headers:
+            if k == b"content-length":
+                return int(v) if v.isdigit() else None
+        return None
+
+    @property
+    def has_body(self) -> bool:
+        return not (self._ex.head_only or self.status in (204, 304))
+
+    @property
+    def complete(self) -> bool:
+        ex = self._ex
+        return ex.ended and ex.error is None
+
+    @property
+    def extra_data(self) -> bool:
+        return False
+
+    @property
+    def request_abandoned(self) -> bool:
+        return self._ex.abandoned
+
+    @property
+    def buffered_bytes(self) -> int:
+        return self._ex.buffered
+
+    def take_body(self) -> bytes:
+        return self._ex.take_body()
+
+    async def read_chunk(self, idle_timeout: float) -> bytes:
+        return await self._ex.read_chunk(idle_timeout)
+
+    def detach_answer(self, limit: int) -> bool:
+        """Its body is in memory already when complete: nothing to copy, the stream is given
+        back (a stream holds no connection of its own)."""
+        ex = self._ex
+        if self._done or not self.complete or ex.buffered > limit:
+            return False
+        self._done = True
+        ex.finish()
+        return True
+
+    def release(self) -> None:
+        if not self._done:
+            self._done = True
+            self._ex.finish()
+
+    def detach(self) -> tuple[asyncio.Transport | None, bytes]:
+        raise AssertionError("an HTTP/2 stream is never switched to another protocol")
+
+    def discard(self) -> None:
+        if not self._done:
+            self._done = True
+            self._ex.cancel()
+
+
 PoolKey = tuple[str, int, TlsTarget | None]
 
 
@@ -185,6 +306,10 @@ class UpstreamClient:
         self.tls = tls or TlsContexts()
         # A pool per endpoint, and per TLS identity for an https:// one.
         self._pools: dict[PoolKey, Pool] = {}
+        # HTTP/2 pools likewise, by the ALPN protocols they offer too.
+        self._h2: dict[tuple[str, int, TlsTarget | None, bool], H2Pool] = {}
+        # The endpoints of ``auto`` routes that chose HTTP/1.1 by ALPN.
+        self._speaks_http1: set[PoolKey] = set()
 
     def pool(self, host: str, port: int, tls: TlsTarget | None = None) -> Pool:
         key = (host, port, tls)
@@ -194,11 +319,25 @@ class UpstreamClient:
             self._pools[key] = p
         return p
 
+    def h2_pool(self, host: str, port: int, tls: TlsTarget | None, auto: bool) -> H2Pool:
+        key = (host, port, tls, auto)
+        p = self._h2.get(key)
+        if p is None:
+            alpn = ("h2", "http/1.1") if auto else ("h2",)
+            p = H2Pool(asyncio.get_running_loop(), host, port, self.settings, tls, alpn)
+            self._h2[key] = p
+        return p
+
     def stats(self) -> dict[str, PoolStats]:
-        return {
+        out = {
             f"{h}:{p}" if t is None else f"{h}:{p} tls {t.server_name}": pool.stats()
             for (h, p, t), pool in self._pools.items()
         }
+        for (h, p, t, _), h2 in self._h2.items():
+            total, idle = h2.stats()
+            name = f"{h}:{p} h2" if t is None else f"{h}:{p} h2 tls {t.server_name}"
+            out[name] = PoolStats(total, idle, 0)
+        return out
 
     def sync_tls(self, sections: list[RouteTls]) -> None:
         """The contexts of a config being applied: new ones built (raises on a file gone bad:
@@ -210,6 +349,11 @@ class UpstreamClient:
             if t is not None and t.context in gone:
                 pool.close()
                 del self._pools[key]
+        for hkey, h2 in list(self._h2.items()):
+            t = hkey[2]
+            if t is not None and t.context in gone:
+                h2.close()
+                del self._h2[hkey]
 
     async def request(
         self,
@@ -224,6 +368,8 @@ class UpstreamClient:
         time_left: Callable[[], float] | None = None,
         upgrade: bool = False,
         tls: TlsTarget | None = None,
+        protocol: str = "http1",
+        grpc: bool = False,
     ) -> UpstreamResponse:
         """Send ``head`` (request line and headers, ending in a blank line) and ``body``.
 
@@ -237,7 +383,20 @@ class UpstreamClient:
         ``upgrade``: the request asks for a protocol switch, and a 101 is an answer to it.
         ``tls``: an https:// endpoint, spoken to over TLS with that identity (the handshake
         is part of connecting: its refusal is raised as a TLS error, nothing sent).
+        ``protocol``: the route's ``upstream_protocol`` (``h2``: one stream of a shared
+        HTTP/2 connection; ``auto``: HTTP/2 when an https:// upstream chooses it by ALPN).
+        ``grpc``: a gRPC call (its status is read before the answer is committed).
         """
+        if protocol != "http1" and not upgrade:
+            auto = protocol == "auto"
+            if not auto or (tls is not None and (host, port, tls) not in self._speaks_http1):
+                h2 = self.h2_pool(host, port, tls, auto)
+                try:
+                    ex = await h2.request(head, body, timeout, head_only, grpc)
+                except SpeaksHttp1:
+                    self._speaks_http1.add((host, port, tls))
+                else:
+                    return H2Response(ex, h2.endpoint)
         pool = self.pool(host, port, tls)
         # The pool's loop: asyncio.get_running_loop() costs a getpid() system call per call
         # on Python 3.11.
@@ -279,6 +438,8 @@ class UpstreamClient:
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
+        for h2 in self._h2.values():
+            h2.close()
 
 
 __all__ = ["ConnectFailure", "UpstreamClient", "UpstreamResponse"]

@@ -119,6 +119,7 @@ class RouteContext:
         self._targets: dict[str, TlsTarget] = {}
         self._sessions: dict[str, ssl.SSLSession] = {}
         self._logged: dict[tuple[str, str], float] = {}
+        self._alpn: dict[tuple[str, ...], ssl.SSLContext] = {}
         wrap = self.ssl.wrap_bio
         sessions = self._sessions
 
@@ -134,6 +135,15 @@ class RouteContext:
             return wrap(incoming, outgoing, server_side, server_hostname, session)
 
         self.ssl.wrap_bio = wrap_bio  # type: ignore[method-assign]
+
+    def alpn_ssl(self, protocols: tuple[str, ...]) -> ssl.SSLContext:
+        """A context like ``ssl`` that offers ``protocols`` by ALPN (HTTP/2 upstreams): one of
+        its own, so that the HTTP/1.1 pools' context never offers h2."""
+        ctx = self._alpn.get(protocols)
+        if ctx is None:
+            ctx = self._alpn[protocols] = client_context(self.tls)
+            ctx.set_alpn_protocols(list(protocols))
+        return ctx
 
     def target(self, host: str) -> TlsTarget:
         """The target for an endpoint of URL host ``host``: SNI and the name verified are the

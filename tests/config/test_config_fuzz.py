@@ -88,7 +88,11 @@ ROUTE_KEYS: dict[str, st.SearchStrategy[Any]] = {
     "retry.backoff.base": DURATIONS,
     "retry.backoff.max": DURATIONS,
     "retry.retry_on": st.lists(
-        kind(["connect-failure", "reset", "per-try-timeout", 503, "5xx", 429], [200]), max_size=3
+        kind(
+            ["connect-failure", "reset", "per-try-timeout", 503, "5xx", 429, "unavailable"],
+            [200, "ok"],
+        ),
+        max_size=3,
     ),
     "retry.retry_after.honor": BOOLS,
     "retry.retry_after.max": POSITIVE,
@@ -145,6 +149,7 @@ ROUTE_KEYS: dict[str, st.SearchStrategy[Any]] = {
     "tls.client_key": kind([None], ["/nonexistent/client.key"]),
     "tls.verify": BOOLS,
     "forward_client_cert": BOOLS,
+    "upstream_protocol": kind(["http1", "h2", "auto"], ["http2", "h2c", True]),
     "tls.min_version": kind(["1.2", "1.3"], ["1.1", 1.2]),
 }
 TOP_KEYS: dict[str, st.SearchStrategy[Any]] = {

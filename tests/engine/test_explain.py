@@ -13,8 +13,8 @@ import pytest
 
 from sidecar.config.parse import parse_text
 from sidecar.core import AttemptTimeout, Fate, UpstreamError
-from sidecar.engine.attempted import Attempted
-from sidecar.engine.loop import Driver, outcome_of
+from sidecar.engine.attempted import Attempted, outcome_of
+from sidecar.engine.loop import Driver
 from sidecar.engine.sequence import shaped
 from sidecar.outcomes import OutcomeKind
 from sidecar.retry.classify import Outcome

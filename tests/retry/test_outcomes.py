@@ -101,7 +101,7 @@ def test_retry_on_words_are_the_rows_that_say_so():
             f"    retry: {{retry_on: [{word}]}}\n"
         )
         on = cfg.routes[0].retry.retry_on
-        assert on == RetryOn(kinds=frozenset({kind}), statuses=frozenset())
+        assert on == RetryOn(kinds=frozenset({kind}), statuses=frozenset(), grpc=frozenset())
         assert is_retryable(RetryPolicy(retry_on=on), Outcome(kind))
     # the default: the rows marked so, and the gateway errors
     assert RetryOn().kinds == {r.kind for r in ROWS if r.default}
