@@ -21,9 +21,10 @@ grpcio holds the response headers back until the first message, so a call that f
 headers, DATA and trailers.
 
 What grpcio shows a server: every request header but the reserved ones -- it keeps
-``grpc-previous-rpc-attempts`` (sent by a proxy or a raw client; grpcio's own client drops it
-from the metadata it is given) but not ``grpc-timeout``, which becomes the call's deadline:
-``Call.time_remaining`` (read on arrival) is how a test sees it.
+``grpc-previous-rpc-attempts`` (sent by a proxy or a raw client; grpcio's own client sends one
+given as metadata only with its retries off, as tests/grpcclient.py's channels have them) but
+not ``grpc-timeout``, which becomes the call's deadline: ``Call.time_remaining`` (read on
+arrival) is how a test sees it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ CLIENT_STREAM = f"/{SERVICE}/ClientStream"
 BIDI = f"/{SERVICE}/Bidi"
 METHODS = (UNARY, SERVER_STREAM, CLIENT_STREAM, BIDI)
 STREAM_COUNT = 3  # ServerStream's messages when the step does not say
+NO_DEADLINE = 1e9  # seconds: grpcio's time_remaining for a call without a deadline is ~9.2e18
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ class Call:
 
     method: str
     metadata: tuple[tuple[str, str | bytes], ...]
-    time_remaining: float | None  # the deadline as seen on arrival (grpc-timeout), seconds
+    time_remaining: float | None  # seconds left on arrival (grpc-timeout); None: no deadline
     peer: str  # the client's address ("ipv4:127.0.0.1:PORT"): one per upstream connection
     step: Step
     requests: list[bytes] = field(default_factory=list)
@@ -127,6 +129,12 @@ class Peer:
         with self._lock:
             self._plans.setdefault(method, deque()).extend(flat)
 
+    def reset(self) -> None:
+        """Forget the plan and the calls (a module-scoped peer between tests)."""
+        with self._lock:
+            self._plans.clear()
+            self.calls = []
+
     def calls_to(self, method: str) -> list[Call]:
         return [c for c in self.calls if c.method == method]
 
@@ -139,7 +147,7 @@ class Peer:
             call = Call(
                 method,
                 tuple((m.key, m.value) for m in ctx.invocation_metadata()),
-                ctx.time_remaining(),
+                _deadline(ctx.time_remaining()),
                 ctx.peer(),
                 step,
             )
@@ -224,6 +232,11 @@ class Peer:
                 "Bidi": grpc.stream_stream_rpc_method_handler(self.bidi),
             },
         )
+
+
+def _deadline(remaining: float | None) -> float | None:
+    """grpcio's time_remaining, None for a call without a deadline (grpcio: about 2**63 ns)."""
+    return None if remaining is None or remaining > NO_DEADLINE else remaining
 
 
 def _count(step: Step, normal: int | None) -> int | None:
