@@ -342,9 +342,10 @@ def methods(value: object) -> frozenset[str]:
 
 
 def hedge_methods(value: object) -> frozenset[str]:
-    """Idempotent methods only: a hedge is a second copy of a request still in flight."""
+    """Idempotent methods only: a hedge is a second copy of a request still in flight. POST
+    may be listed for gRPC calls (gRFC A6's hedging, opt-in): a plain POST is never hedged."""
     listed = methods(value)
-    for m in sorted(listed - IDEMPOTENT_METHODS):
+    for m in sorted(listed - IDEMPOTENT_METHODS - {"POST"}):
         raise Invalid(f"{m} is not idempotent: a hedge would send it twice")
     return listed
 

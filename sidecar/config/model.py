@@ -215,8 +215,8 @@ class Route:
         ),
         help=(
             "hedged requests, opt-in per route, and their budget; `methods`: what a route that "
-            "turns hedging on hedges (idempotent methods only; never a request with an "
-            '`Idempotency-Key`); see "Storm control"'
+            "turns hedging on hedges (idempotent methods only, and `POST` for gRPC calls only; "
+            'never a request with an `Idempotency-Key`); see "Storm control"'
         ),
     )
     bulkhead: BulkheadPolicy = section(

@@ -173,7 +173,26 @@ class _Parser:
                 self.dead_guard(routes[-1], raw, path)
                 self.slow_try(routes[-1], raw, path)
                 self.unverified(routes[-1], raw, path)
+                self.grpc_without_h2(routes[-1], path)
         return routes
+
+    def grpc_without_h2(self, route: Route, path: Path) -> None:
+        """A warning for a route that matches gRPC calls (``content-type: application/grpc``
+        in ``match.headers``) but speaks HTTP/1.1 to its upstream: every call it matches is
+        answered UNAVAILABLE."""
+        grpc = any(
+            k.lower() == "content-type" and v.strip().lower().startswith("application/grpc")
+            for k, v in route.match.headers
+        )
+        if not grpc or route.upstream_protocol == "h2":
+            return
+        where = (*path, "match", "headers")
+        why = (
+            "this route matches gRPC calls (content-type: application/grpc) but its "
+            f"upstream_protocol is {route.upstream_protocol}: every call is answered "
+            "UNAVAILABLE; give it upstream_protocol: h2"
+        )
+        self.warnings.append(ConfigIssue(self.located.line(where), path_str(where), why))
 
     def unverified(self, route: Route, raw: dict[str, Any], path: Path) -> None:
         """A warning, at the line of the ``verify: false`` in force, for a route whose

@@ -249,7 +249,15 @@ class HedgePolicy:
     ``window`` plus ``min_per_second``."""
 
     enabled: bool = key(False, c.boolean)
-    methods: frozenset[str] = key(HEDGE_METHODS, c.hedge_methods)
+    methods: frozenset[str] = key(
+        HEDGE_METHODS,
+        c.hedge_methods,
+        help=(
+            "the methods hedged: idempotent ones, and `POST` for gRPC calls only (gRPC's "
+            "hedging, opt-in: the service owner says its calls are safe to run twice); a plain "
+            "HTTP POST is never hedged"
+        ),
+    )
     ratio: float = key(0.1, c.non_negative_number)
     min_per_second: float = key(1.0, c.non_negative_number)
     window: float = key(10.0, c.positive_duration, unit="duration")

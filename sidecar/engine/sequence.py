@@ -304,6 +304,7 @@ class Sequence:
             route.hedge.enabled
             and route.retry.per_try_timeout is None
             and method in route.hedge.methods
+            and (method != "POST" or ex.grpc)  # POST listed: gRPC calls only
             and not ex.idempotency_key
             and ex.replayable
             and ex.edge is None

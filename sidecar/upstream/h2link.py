@@ -23,6 +23,7 @@ from h2.events import (
     WindowUpdated,
 )
 from h2.exceptions import H2Error, StreamClosedError
+from h2.settings import SettingCodes, Settings
 
 from sidecar.core import (
     BadResponse,
@@ -51,10 +52,19 @@ class H2Link(asyncio.Protocol):
         self._lost = lost  # the pool's: this link takes no more streams
         config = H2Configuration(client_side=True, header_encoding=None)
         self.h2 = H2Connection(config=config)
-        self.h2.local_settings.initial_window_size = STREAM_WINDOW
-        self.h2.local_settings.max_header_list_size = MAX_RESPONSE_HEAD
-        self.h2.local_settings.enable_push = 0
-        self.h2.local_settings.max_concurrent_streams = 0  # we accept no stream from it
+        # Our settings as the first SETTINGS frame says them (assigning the attributes of
+        # ``local_settings`` would only queue them): each stream's receive window, the
+        # response head's bound, no push, no stream from the upstream.
+        self.h2.local_settings = Settings(
+            client=True,
+            initial_values={
+                SettingCodes.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
+                SettingCodes.MAX_HEADER_LIST_SIZE: MAX_RESPONSE_HEAD,
+                SettingCodes.ENABLE_PUSH: 0,
+                SettingCodes.MAX_CONCURRENT_STREAMS: 0,
+            },
+        )
+        self.h2.decoder.max_header_list_size = MAX_RESPONSE_HEAD
         self.h2.max_inbound_frame_size = self.h2.local_settings.max_frame_size
         self.streams: dict[int, H2Exchange] = {}
         self.transport: asyncio.Transport | None = None

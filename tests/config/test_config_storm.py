@@ -127,7 +127,7 @@ def test_upstream_list_errors(snippet, line):
         ("throttle: {aggression: 2}", "routes[0].throttle.aggression", "unknown key"),
         ("hedge: {ratio: -1}", "routes[0].hedge.ratio", "negative"),
         ("hedge: {delay: 10ms}", "routes[0].hedge.delay", "unknown key"),
-        ("hedge: {methods: [GET, POST]}", "routes[0].hedge.methods", "POST is not idempotent"),
+        ("hedge: {methods: [GET, PATCH]}", "routes[0].hedge.methods", "PATCH is not idempotent"),
         ("hedge: {methods: [PATCH]}", "routes[0].hedge.methods", "PATCH is not idempotent"),
         ("hedge: {methods: []}", "routes[0].hedge.methods", "non-empty list"),
         (
