@@ -134,6 +134,8 @@ class H2Server(asyncio.Protocol):
         for event in events:
             if not self._event(event):
                 return
+        if self.h2.unpaid and not self._control_frame(self.h2.take_unpaid()):
+            return  # frames on closed streams, WINDOW_UPDATEs no DATA paid for
         self._write()
 
     def _event(self, event: Event) -> bool:
@@ -172,7 +174,7 @@ class H2Server(asyncio.Protocol):
         self._attached = event.priority_updated
         if self._goaway_id is not None and sid > self._goaway_id:
             self._refuse(sid, ErrorCodes.REFUSED_STREAM)
-            return True
+            return self._reset_taken()  # a stream we reset counts as one the client reset
         if len(self.streams) >= self.limits.streams:
             self._refuse(sid, ErrorCodes.REFUSED_STREAM)
             return self._reset_taken()
@@ -181,10 +183,10 @@ class H2Server(asyncio.Protocol):
             self._count("malformed")
             self._say(f"refused a malformed HTTP/2 request: {mapped.reason}")
             self._refuse(sid, ErrorCodes.PROTOCOL_ERROR)
-            return True
+            return self._reset_taken()
         if mapped.connect:  # no tunnels over HTTP/2 (no extended CONNECT)
             self._refuse(sid, ErrorCodes.HTTP_1_1_REQUIRED)
-            return True
+            return self._reset_taken()
         ended = event.stream_ended is not None
         stream = H2Stream(self, sid, ended)
         request = ClientRequest(
@@ -235,10 +237,10 @@ class H2Server(asyncio.Protocol):
         self._calm("streams reset faster than they can be served (rapid reset)")
         return False
 
-    def _control_frame(self) -> bool:
-        if self._control.take(self._clock()):
+    def _control_frame(self, n: int = 1) -> bool:
+        if self._control.take(self._clock(), n):
             return True
-        self._calm("control frames faster than allowed (SETTINGS, PING, PRIORITY flood)")
+        self._calm("control frames faster than allowed (SETTINGS, PING, PRIORITY... flood)")
         return False
 
     def _calm(self, why: str) -> None:

@@ -6,12 +6,13 @@ A request's header list becomes a ``Mapped`` (method, target, the fields as the 
 ``:authority`` as ``Host`` first, then the regular fields in order, every ``cookie`` joined into
 one with ``"; "``) or a ``Malformed`` with the reason: a stream error PROTOCOL_ERROR (RFC 9113
 section 8.1.1). Malformed: a pseudo-header unknown, repeated, missing (``:method``, ``:scheme``,
-``:path``), empty, or after a regular field; a response pseudo-header; a name with an upper-case
-letter or outside a token; a value with NUL, CR or LF or surrounding white space (an HTTP/1.1
-upstream would read those as framing); a connection-specific field (``connection``,
-``keep-alive``, ``proxy-connection``, ``transfer-encoding``, ``upgrade``); ``te`` other than
-``trailers``; a ``content-length`` that is not digits, or two that differ. CONNECT is well-formed
-but not served here (``Mapped.connect``): the front end refuses it.
+``:path``), empty, or after a regular field; a ``:path`` not in origin-form (``*`` for OPTIONS); a
+response pseudo-header; a name with an upper-case letter or outside a token; a value with NUL, CR
+or LF or surrounding white space (an HTTP/1.1 upstream would read those as framing); a
+connection-specific field (``connection``, ``keep-alive``, ``proxy-connection``,
+``transfer-encoding``, ``upgrade``); ``te`` other than ``trailers``; a ``content-length`` that is
+not digits, or two that differ. CONNECT is well-formed but not served here (``Mapped.connect``):
+the front end refuses it.
 """
 
 from __future__ import annotations
@@ -123,6 +124,10 @@ def map_request(headers: Iterable[tuple[bytes, bytes]]) -> Mapped | Malformed:
     path = pseudo.get(b":path")
     if not pseudo.get(b":scheme") or not path:
         return Malformed("no :scheme or :path")
+    if path[:1] != b"/" and (path != b"*" or method != b"OPTIONS"):
+        # RFC 9113 section 8.3.1: origin-form (or * for OPTIONS); an absolute-form target would
+        # be read upstream for its authority, not ``:authority``'s.
+        return Malformed(":path not origin-form")
     if len(lengths) > 1 or any(not v.isdigit() for v in lengths):
         return Malformed("invalid content-length")
     raw: RawFields = []

@@ -72,6 +72,11 @@ MALFORMED = [
     ([(b":method", b"GET"), (b":scheme", b"http"), (b":path", b"")], "no :scheme or :path"),
     ([(b":method", b"G T"), (b":scheme", b"http"), (b":path", b"/")], "invalid :method"),
     ([*BASE, *AUTH, (b"host", b"other.test")], "host differs"),
+    (
+        [(b":method", b"GET"), (b":scheme", b"http"), (b":path", b"http://evil.test/")],
+        "origin-form",
+    ),
+    ([(b":method", b"GET"), (b":scheme", b"http"), (b":path", b"*")], "origin-form"),
 ]
 
 
