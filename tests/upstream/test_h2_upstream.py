@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from h2.errors import ErrorCodes
 
+from tests import tlscerts
 from tests.difftools import run_nginx, stop, wait_port
 from tests.grpcclient import raw_call
 from tests.h2peer import Seen, serving
@@ -191,3 +192,67 @@ async def test_nginx_as_the_h2c_upstream(tmp_path: Path) -> None:
 
 
 __all__ = ["Seen"]
+
+
+NGINX_TLS = """\
+  server {{
+    listen 127.0.0.1:{h2} ssl http2;
+    ssl_certificate {cert}; ssl_certificate_key {key};
+    location / {{ add_header X-Proto $server_protocol always; return 200 "h2 server\\n"; }}
+  }}
+  server {{
+    listen 127.0.0.1:{h1} ssl;
+    ssl_certificate {cert}; ssl_certificate_key {key};
+    location / {{ add_header X-Proto $server_protocol always; return 200 "h1 server\\n"; }}
+  }}
+"""
+
+
+async def test_over_https_h2_is_agreed_by_alpn_and_auto_lets_the_upstream_choose(
+    tmp_path: Path,
+) -> None:
+    """nginx as the reference: ``h2`` to a server that speaks it is HTTP/2.0; ``auto`` is
+    HTTP/2.0 where the server offers it and HTTP/1.1 where it does not; ``h2`` to a server
+    without it is refused as a TLS handshake failure (never retried, never HTTP/1.1)."""
+    root = tmp_path / "ngx"
+    root.mkdir(mode=0o755)
+    certs = tlscerts.make(root / "certs")
+    h2_port, h1_port = free_port(), free_port()
+    nginx = run_nginx(
+        root,
+        NGINX_TLS.format(h2=h2_port, h1=h1_port, cert=certs.server.cert, key=certs.server.key),
+    )
+    port, admin = free_port(), free_port()
+    tls = f"    tls: {{ca_file: {certs.ca}}}\n"
+    routes = "".join(
+        f"  - name: {name}\n    match: {{path_prefix: /{name}}}\n"
+        f"    upstream: https://localhost:{up}\n    upstream_protocol: {proto}\n{tls}"
+        for name, up, proto in (
+            ("h2h2", h2_port, "h2"),
+            ("autoh2", h2_port, "auto"),
+            ("autoh1", h1_port, "auto"),
+            ("h2h1", h1_port, "h2"),
+        )
+    )
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(
+        f"version: 1\nlisten: 127.0.0.1:{port}\nadmin: {{listen: 127.0.0.1:{admin}}}\n"
+        f"routes:\n{routes}"
+    )
+    try:
+        await asyncio.to_thread(wait_port, h2_port, nginx, "nginx")
+        proc = await launched(cfg, port, admin)
+        try:
+            seen = {}
+            for name in ("h2h2", "autoh2", "autoh1", "autoh1", "h2h1"):
+                status, headers, body = await get(port, f"/{name}")
+                seen[name] = (status, headers.get("x-proto") or headers.get("X-Proto"), body)
+        finally:
+            proc.terminate()
+    finally:
+        stop(nginx)
+    assert seen["h2h2"] == (200, "HTTP/2.0", b"h2 server\n")
+    assert seen["autoh2"] == (200, "HTTP/2.0", b"h2 server\n")
+    assert seen["autoh1"] == (200, "HTTP/1.1", b"h1 server\n")
+    status, _, body = seen["h2h1"]
+    assert status == 502 and b"tls" in body.lower()
