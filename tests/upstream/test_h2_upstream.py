@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -256,3 +257,37 @@ async def test_over_https_h2_is_agreed_by_alpn_and_auto_lets_the_upstream_choose
     assert seen["autoh1"] == (200, "HTTP/1.1", b"h1 server\n")
     status, _, body = seen["h2h1"]
     assert status == 502 and b"tls" in body.lower()
+
+
+async def test_requests_cut_at_random_moments_give_back_their_streams_and_slots(
+    tmp_path: Path,
+) -> None:
+    """Clients that leave at random moments (connecting, waiting for the head, mid-body, mid
+    upload): every upstream stream is reset or ended, and the route's one bulkhead slot is
+    back (the next request is served, not refused)."""
+    rng = random.Random(32)
+    bulkhead = "    bulkhead: {max_concurrent: 8, queue_timeout: 0s}\n"
+    async with serving() as (up, seen), through(tmp_path, up, bulkhead) as (port, _, _):
+
+        async def one(i: int) -> None:
+            path = rng.choice(["/hold", "/big?n=3000000", "/echo"])
+            method = b"POST" if path == "/echo" else b"GET"
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            head = b"%s %s HTTP/1.1\r\nHost: x\r\n" % (method, path.encode())
+            if method == b"POST":
+                head += b"Content-Length: 2000000\r\n"
+            writer.write(head + b"\r\n")
+            if method == b"POST":
+                writer.write(b"u" * rng.randrange(0, 1_500_000))
+            await asyncio.sleep(rng.uniform(0, 0.05))
+            writer.transport.abort()
+
+        for _ in range(3):
+            await asyncio.gather(*(one(i) for i in range(8)))
+        for _ in range(250):
+            if seen.open_streams == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert seen.open_streams == 0
+        results = await asyncio.gather(*(get(port, "/echo") for _ in range(8)))
+        assert [r[0] for r in results] == [200] * 8
