@@ -94,7 +94,10 @@ class _Conn(asyncio.Protocol):
                 self.bodies[ev.stream_id] = self.bodies.get(ev.stream_id, 0) + len(ev.data)
                 self.h2.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
             elif isinstance(ev, StreamEnded):
-                self.answer(ev.stream_id)
+                try:
+                    self.answer(ev.stream_id)
+                except H2Error:  # reset in the same read as its end (the frames came together)
+                    self.done(ev.stream_id)
             elif isinstance(ev, StreamReset):
                 self.seen.resets.append(int(ev.error_code))
                 self.done(ev.stream_id)
