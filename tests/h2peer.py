@@ -35,6 +35,7 @@ from h2.events import (
     WindowUpdated,
 )
 from h2.exceptions import H2Error
+from h2.settings import SettingCodes
 
 Fields = list[tuple[bytes, bytes]]
 
@@ -55,13 +56,14 @@ class Seen:
 
 
 class _Conn(asyncio.Protocol):
-    def __init__(self, seen: Seen) -> None:
+    def __init__(self, seen: Seen, max_streams: int | None) -> None:
         self.seen = seen
+        self.max_streams = max_streams
         self.h2 = H2Connection(H2Configuration(client_side=False, header_encoding=None))
         self.transport: asyncio.Transport | None = None
         self.bodies: dict[int, int] = {}
         self.fields: dict[int, Fields] = {}
-        self.pending: dict[int, bytes] = {}  # what a /big stream still has to send
+        self.pending: dict[int, int] = {}  # how many bytes a /big stream still has to send
         self.live: set[int] = set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -69,6 +71,8 @@ class _Conn(asyncio.Protocol):
         self.transport = transport
         self.seen.connections += 1
         self.h2.initiate_connection()
+        if self.max_streams is not None:
+            self.h2.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: self.max_streams})
         self.flush()
 
     def flush(self) -> None:
@@ -141,7 +145,7 @@ class _Conn(asyncio.Protocol):
         elif path == "/big":
             n = int(query.partition("=")[2] or "0")
             h2.send_headers(sid, [(b":status", b"200"), (b"content-length", b"%d" % n)])
-            self.pending[sid] = b"x" * n
+            self.pending[sid] = n
             self.send_big(sid)
         elif path == "/status":
             code = query.partition("=")[2].encode()
@@ -159,20 +163,20 @@ class _Conn(asyncio.Protocol):
             self.done(sid)
 
     def send_big(self, sid: int) -> None:
-        data = self.pending.get(sid)
-        if data is None:
+        left = self.pending.get(sid)
+        if left is None:
             return
         h2 = self.h2
         try:
-            while data:
-                n = min(h2.local_flow_control_window(sid), h2.max_outbound_frame_size, len(data))
+            while left:
+                n = min(h2.local_flow_control_window(sid), h2.max_outbound_frame_size, left)
                 if n <= 0:
                     break
-                h2.send_data(sid, data[:n])
+                h2.send_data(sid, b"x" * n)
                 self.seen.sent += n
-                data = data[n:]
-            if data:
-                self.pending[sid] = data
+                left -= n
+            if left:
+                self.pending[sid] = left
             else:
                 del self.pending[sid]
                 h2.end_stream(sid)
@@ -183,11 +187,12 @@ class _Conn(asyncio.Protocol):
 
 
 @asynccontextmanager
-async def serving() -> AsyncIterator[tuple[int, Seen]]:
-    """The peer on a free loopback port: (port, what it saw)."""
+async def serving(max_streams: int | None = None) -> AsyncIterator[tuple[int, Seen]]:
+    """The peer on a free loopback port: (port, what it saw). ``max_streams``: the
+    SETTINGS_MAX_CONCURRENT_STREAMS it advertises (and enforces: h2 refuses more)."""
     seen = Seen()
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: _Conn(seen), "127.0.0.1", 0)
+    server = await loop.create_server(lambda: _Conn(seen, max_streams), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
         yield port, seen

@@ -16,6 +16,7 @@ from h2.events import (
     ConnectionTerminated,
     DataReceived,
     InformationalResponseReceived,
+    RemoteSettingsChanged,
     ResponseReceived,
     StreamEnded,
     StreamReset,
@@ -74,6 +75,9 @@ class H2Link(asyncio.Protocol):
         self._writable: asyncio.Future[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
         self._window_waiters: set[asyncio.Future[bool]] = set()
+        # Set when the upstream's first SETTINGS came (its stream limit known): no stream is
+        # opened before, so a limit of 1 is not overrun by a burst.
+        self.ready: asyncio.Future[None] = loop.create_future()
 
     # -- the connection ----------------------------------------------------------------------
 
@@ -90,6 +94,9 @@ class H2Link(asyncio.Protocol):
         self._arm_idle()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if not self.ready.done():
+            self.ready.set_exception(ConnectionResetError("closed before its SETTINGS"))
+            self.ready.exception()  # retrieved: nobody may wait for it
         self.closed = True
         self._lost(self)
         if self._idle is not None:
@@ -301,6 +308,9 @@ class H2Link(asyncio.Protocol):
                         )
                     )
             self._lost(self)
+        elif isinstance(ev, RemoteSettingsChanged):
+            if not self.ready.done():
+                self.ready.set_result(None)
         elif isinstance(ev, WindowUpdated):
             for w in list(self._window_waiters):
                 if not w.done():

@@ -85,28 +85,36 @@ class H2Pool:
 
     async def link(self, timeout: float) -> H2Link:
         """A connection with room for one more stream: an open one, or a new one (one opening
-        at a time, shared by everyone who waits for it)."""
-        if self._closed:
-            raise ConnectFailure("the upstream client is shut down")
-        for lk in self.links:
+        at a time, shared by everyone who waits for it; those it has no room for, because the
+        upstream allows fewer streams than wait, open the next)."""
+        loop = self.loop
+        if timeout <= 0 or min(timeout, self.connect_timeout) <= 0:
+            raise NoTimeLeft("no time left to connect")
+        end = loop.time() + min(timeout, self.connect_timeout)
+        while True:
+            if self._closed:
+                raise ConnectFailure("the upstream client is shut down")
+            for lk in self.links:
+                if lk.has_room():
+                    return lk
+            left = end - loop.time()
+            if left <= 0:
+                raise ConnectFailure(f"connect to {self.endpoint} timed out", "connection_timeout")
+            task = self._connecting
+            if task is None:
+                if len(self.links) >= self.max_connections:
+                    raise PoolExhausted("every upstream HTTP/2 connection is full")
+                task = self._connecting = loop.create_task(self._connect())
+                task.add_done_callback(self._connected)
+            try:
+                async with asyncio.timeout(left):
+                    lk = await asyncio.shield(task)
+            except TimeoutError:
+                raise ConnectFailure(
+                    f"connect to {self.endpoint} timed out", "connection_timeout"
+                ) from None
             if lk.has_room():
                 return lk
-        timeout = min(timeout, self.connect_timeout)
-        if timeout <= 0:
-            raise NoTimeLeft("no time left to connect")
-        task = self._connecting
-        if task is None:
-            if len(self.links) >= self.max_connections:
-                raise PoolExhausted("every upstream HTTP/2 connection is full")
-            task = self._connecting = self.loop.create_task(self._connect())
-            task.add_done_callback(self._connected)
-        try:
-            async with asyncio.timeout(timeout):
-                return await asyncio.shield(task)
-        except TimeoutError:
-            raise ConnectFailure(
-                f"connect to {self.endpoint} timed out", "connection_timeout"
-            ) from None
 
     def _connected(self, task: asyncio.Task[H2Link]) -> None:
         if self._connecting is task:
@@ -162,6 +170,14 @@ class H2Pool:
                     f"{where} did not agree to HTTP/2 by ALPN (it chose {link.alpn or 'nothing'})",
                     "tls_protocol_error",
                 )
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                await asyncio.shield(link.ready)
+        except (TimeoutError, ConnectionError):
+            link.close()
+            raise ConnectFailure(
+                f"{where} sent no HTTP/2 SETTINGS (it does not speak HTTP/2?)", "connection_timeout"
+            ) from None
         return link
 
     async def request(

@@ -291,3 +291,13 @@ async def test_requests_cut_at_random_moments_give_back_their_streams_and_slots(
         assert seen.open_streams == 0
         results = await asyncio.gather(*(get(port, "/echo") for _ in range(8)))
         assert [r[0] for r in results] == [200] * 8
+
+
+async def test_an_upstream_that_allows_one_stream_gets_one_per_connection(tmp_path: Path) -> None:
+    """Its SETTINGS are waited for before the first stream: a burst is spread over new
+    connections, never refused by it."""
+    async with serving(max_streams=1) as (up, seen), through(tmp_path, up) as (port, _, _):
+        results = await asyncio.gather(*(get(port, "/echo") for _ in range(6)))
+        assert [(r[0], r[1]["x-retry-attempts"]) for r in results] == [(200, "1")] * 6
+    assert seen.resets == [] and len(seen.streams) == 6
+    assert 1 <= seen.connections <= 6
