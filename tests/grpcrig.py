@@ -3,7 +3,8 @@ a test module: one peer, one sidecar (uvloop, as shipped) whose routes each set 
 of the gRPC path, told apart by the ``x-route`` request metadata a call sends; calls without it
 take the route ``echo`` (``/test.Echo/``, the defaults), other paths match no route.
 
-``silent`` is a listener that never answers (the sidecar's own deadline answer, with no
+``stalled`` is an h2 server that sends a call's response headers and then nothing, whatever its
+grpc-timeout says. ``silent`` is a listener that never answers (the sidecar's own deadline answer, with no
 upstream deadline racing it). Every route speaks h2 to its upstream and retries quickly (1 ms constant backoff), with the
 throttle and the breaker off and a budget that allows every retry, so a count of upstream calls
 says what the retry policy did, never what a storm control refused."""
@@ -13,12 +14,18 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
 
 from tests import grpcclient, grpcpeers
 from tests.proc import SidecarProcess, free_port, launched
@@ -60,6 +67,9 @@ routes:
     match: {{headers: {{x-route: silent}}}}
     upstream: http://127.0.0.1:{silent}
     timeout: 500ms
+  - name: stalled
+    match: {{headers: {{x-route: stalled}}}}
+    upstream: http://127.0.0.1:{stalled}
   - name: killed
     match: {{headers: {{x-route: killed}}}}
     upstream: http://127.0.0.1:{peer}
@@ -143,7 +153,7 @@ def rig(root: Path) -> Iterator[Rig]:
     """The peer and the sidecar in front of it (files under ``root``); both stopped on every
     exit, the sidecar by its PID."""
     root.mkdir(parents=True, exist_ok=True)
-    with grpcpeers.serving() as peer, socket.socket() as silent:
+    with grpcpeers.serving() as peer, socket.socket() as silent, stalling() as stalled:
         # An upstream that takes connections (the kernel's backlog) and never answers: only
         # the sidecar's own deadline can end a call to it.
         silent.bind(("127.0.0.1", 0))
@@ -158,6 +168,7 @@ def rig(root: Path) -> Iterator[Rig]:
                 peer=peer.port,
                 dead=dead,
                 silent=silent.getsockname()[1],
+                stalled=stalled,
             )
         )
         proc = asyncio.run(launched(cfg, port, admin))
@@ -165,3 +176,49 @@ def rig(root: Path) -> Iterator[Rig]:
             yield Rig(peer, proc, port, admin)
         finally:
             proc.terminate()
+
+
+def _stall(conn: socket.socket) -> None:
+    """One connection of ``stalling``: each request gets its response headers, never more."""
+    h2c = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    h2c.initiate_connection()
+    with conn:
+        try:
+            conn.sendall(h2c.data_to_send())
+            while data := conn.recv(65536):
+                for ev in h2c.receive_data(data):
+                    if isinstance(ev, h2.events.RequestReceived):
+                        fields = [(":status", "200"), ("content-type", "application/grpc")]
+                        h2c.send_headers(ev.stream_id, fields)
+                    elif isinstance(ev, h2.events.DataReceived):
+                        h2c.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+                conn.sendall(h2c.data_to_send())
+        except (OSError, h2.exceptions.H2Error):
+            pass
+
+
+@contextmanager
+def stalling() -> Iterator[int]:
+    """An h2c server (prior knowledge) that answers each request with its headers and then
+    stalls, its deadline ignored; yields its port. Its threads end when it is closed."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    conns: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conns.append(conn)
+            threading.Thread(target=_stall, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        listener.close()
+        for conn in conns:
+            conn.close()

@@ -191,6 +191,16 @@ def test_past_the_deadline_a_slow_upstreams_call_is_ended(rig: Rig) -> None:
     assert len(rig.peer.calls) == 1
 
 
+def test_past_a_grpc_timeout_an_upstream_that_sent_its_headers_is_cut(rig: Rig) -> None:
+    """An upstream that sent its response headers and then nothing, its grpc-timeout ignored:
+    the call's deadline still ends the call with DEADLINE_EXCEEDED (not the route's 60 s
+    stream idle timeout)."""
+    raw = grpcclient.raw_call(
+        rig.port, UNARY, headers=[("grpc-timeout", "500m"), ("x-route", "stalled")]
+    )
+    assert raw.status == "4", raw
+
+
 def test_past_a_grpc_timeout_a_stream_that_sent_its_headers_still_ends(rig: Rig) -> None:
     """The upstream sent its headers and then nothing: the call's deadline still ends it with
     DEADLINE_EXCEEDED, not the route's 60 s stream idle timeout."""
