@@ -70,6 +70,11 @@ routes:
   - name: stalled
     match: {{headers: {{x-route: stalled}}}}
     upstream: http://127.0.0.1:{stalled}
+  - name: tripped
+    match: {{headers: {{x-route: tripped}}}}
+    upstream: http://127.0.0.1:{peer}
+    retry: {{attempts: 1}}
+    breaker: {{enabled: true, min_sequences: 2, failure_ratio: 0.5, open_for: 30s, max_open_for: 30s}}
   - name: killed
     match: {{headers: {{x-route: killed}}}}
     upstream: http://127.0.0.1:{peer}

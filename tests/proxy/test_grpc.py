@@ -211,6 +211,24 @@ def test_past_a_grpc_timeout_a_stream_that_sent_its_headers_still_ends(rig: Rig)
     assert call.ended.wait(BOUND) and call.cancelled
 
 
+@pytest.mark.parametrize("value", ["abc", "1.5S", "123456789S", "10x", "-5S"])
+def test_a_malformed_grpc_timeout_bounds_nothing(rig: Rig, value: str) -> None:
+    """As a gRPC server ignores it: the route's timeout (60 s) is the call's deadline."""
+    raw = grpcclient.raw_call(rig.port, UNARY, headers=[("grpc-timeout", value)])
+    assert raw.status == "0"
+    left = rig.peer.calls[0].time_remaining
+    assert left is not None and 1 < left <= 60
+
+
+def test_a_grpc_timeout_in_each_unit_bounds_the_upstreams(rig: Rig) -> None:
+    for value, most in (("1H", 60), ("2M", 60), ("3S", 3), ("2500m", 2.5), ("2000000u", 2)):
+        rig.peer.reset()
+        raw = grpcclient.raw_call(rig.port, UNARY, headers=[("grpc-timeout", value)])
+        assert raw.status == "0"
+        left = rig.peer.calls[0].time_remaining
+        assert left is not None and 0 < left <= most, (value, left)
+
+
 # -- 4. pushback ---------------------------------------------------------------------------------
 
 
@@ -250,3 +268,22 @@ def test_a_hundred_concurrent_unary_calls_on_one_channel_all_succeed(rig: Rig) -
         calls = [unary.future(b"m%d" % i, timeout=30) for i in range(100)]
         assert [c.result(timeout=45) for c in calls] == [b"m%d" % i for i in range(100)]
     assert len(rig.peer.calls) == 100
+
+
+def test_a_hundred_concurrent_calls_each_retried_once_all_succeed(rig: Rig) -> None:
+    rig.peer.plan(fail(UNAVAILABLE, 100), method=UNARY)
+    with grpc.insecure_channel(rig.target, options=grpcclient.OPTIONS) as channel:
+        unary = channel.unary_unary(UNARY)
+        calls = [unary.future(b"m%d" % i, timeout=30) for i in range(100)]
+        assert [c.result(timeout=45) for c in calls] == [b"m%d" % i for i in range(100)]
+    assert len(rig.peer.calls) == 200
+
+
+def test_a_large_message_each_way_passes_the_flow_control_windows(rig: Rig) -> None:
+    """1 MiB request (over the retry buffer: streamed once) and its 1 MiB echo (over the
+    upstream stream's window), then a server stream of large messages."""
+    big = bytes(range(256)) * 4096
+    answer = rig.call(UNARY, (big,))
+    assert answer.code == OK and answer.messages == (big,)
+    answer = rig.call(SERVER_STREAM, (big[: 300 * 1024],))
+    assert answer.code == OK and [len(m) for m in answer.messages] == [300 * 1024 + 2] * 3

@@ -112,6 +112,25 @@ def test_an_open_breaker_answers_unavailable(rig: Rig) -> None:
     assert ("x-retry-proxy-error", outcomes.BREAKER_OPEN.code) in raw.headers
 
 
+def test_a_listed_grpc_status_counts_for_the_breaker(rig: Rig) -> None:
+    """UNAVAILABLE from the upstream (listed) opens the breaker as a listed 503 does; a status
+    not listed (NOT_FOUND: the upstream working as intended) is no failure."""
+    rig.peer.plan(fail(grpc.StatusCode.NOT_FOUND, 4))
+    for _ in range(4):
+        assert rig.call(UNARY, route="tripped").code == grpc.StatusCode.NOT_FOUND
+    _, breakers = rig.admin_call("GET", "/breakers")
+    assert breakers["routes"]["tripped"]["failures"] == 0
+    rig.peer.plan(fail(UNAVAILABLE, 10))
+    seen = []
+    for _ in range(10):
+        answer = rig.call(UNARY, route="tripped")
+        assert answer.code == UNAVAILABLE
+        seen.append(answer.trailer("x-retry-proxy-error"))
+        if seen[-1] == outcomes.BREAKER_OPEN.code:
+            break
+    assert seen[-1] == outcomes.BREAKER_OPEN.code, seen
+
+
 def test_a_kill_switch_ends_a_call_waiting_for_its_retry_with_unavailable(rig: Rig) -> None:
     scope = "route:killed"
     rig.peer.plan(fail(UNAVAILABLE, trailers=(("grpc-retry-pushback-ms", "20000"),)))
@@ -188,6 +207,7 @@ def test_a_cancel_half_way_reaches_the_upstream_and_nothing_stays_held(
     long = Step(gap=30) if method in (SERVER_STREAM, BIDI) else Step(delay=30)
     rig.peer.plan(long, method=method)
     tasks_before = held(rig)[2]
+    cancelled_before = rig.metric(GRPC_CALLS, route="echo", code="CANCELLED")
     running = rig.start(method, REQUESTS)
     first = 1 if method in (SERVER_STREAM, BIDI) else 0
     until(lambda: rig.peer.calls and len(running.messages) >= first, "the call under way")
@@ -201,6 +221,22 @@ def test_a_cancel_half_way_reaches_the_upstream_and_nothing_stays_held(
     until(
         lambda: held(rig)[:2] == (0, 0) and held(rig)[2] <= tasks_before,
         "the request, its upstream stream and its tasks given back",
+    )
+    assert len(rig.peer.calls) == 1
+    assert rig.metric(GRPC_CALLS, route="echo", code="CANCELLED") == cancelled_before + 1
+
+
+def test_a_cancel_while_waiting_for_a_pushback_ends_the_wait(rig: Rig) -> None:
+    rig.peer.plan(fail(UNAVAILABLE, trailers=(("grpc-retry-pushback-ms", "20000"),)))
+    tasks_before = held(rig)[2]
+    running = rig.start(UNARY)
+    until(lambda: rig.peer.calls, "the first attempt")
+    until(lambda: held(rig)[:2] == (1, 0), "the call waiting for its retry")
+    running.cancel()
+    assert running.result().code == grpc.StatusCode.CANCELLED
+    until(
+        lambda: held(rig)[:2] == (0, 0) and held(rig)[2] <= tasks_before,
+        "the request and its tasks given back",
     )
     assert len(rig.peer.calls) == 1
 
