@@ -108,7 +108,11 @@ class Rig:
         return f"127.0.0.1:{self.port}"
 
     def call(
-        self, method: str, requests: tuple[bytes, ...] = (b"x",), route: str | None = None, **kw: Any
+        self,
+        method: str,
+        requests: tuple[bytes, ...] = (b"x",),
+        route: str | None = None,
+        **kw: Any,
     ) -> grpcclient.Answer:
         """A grpcio call through the sidecar, on ``route`` (its ``x-route``)."""
         meta = tuple(kw.pop("metadata", ()))
@@ -117,7 +121,11 @@ class Rig:
         return grpcclient.call(self.target, method, requests, metadata=meta, **kw)
 
     def start(
-        self, method: str, requests: tuple[bytes, ...] = (b"x",), route: str | None = None, **kw: Any
+        self,
+        method: str,
+        requests: tuple[bytes, ...] = (b"x",),
+        route: str | None = None,
+        **kw: Any,
     ) -> grpcclient.Running:
         meta = (("x-route", route),) if route is not None else ()
         return grpcclient.start(self.target, method, requests, metadata=meta, **kw)

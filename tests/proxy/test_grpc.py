@@ -7,6 +7,7 @@ whether it was cancelled) is what a test reads, never a timing."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+
 import grpc
 import pytest
 

@@ -10,7 +10,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import grpc
 import pytest
@@ -137,7 +136,9 @@ def test_a_kill_switch_ends_a_call_waiting_for_its_retry_with_unavailable(rig: R
     running = rig.start(UNARY, route="killed", timeout=None)
     try:
         until(lambda: rig.peer.calls, "the first attempt")
-        status, body = rig.admin_call("PUT", "/killswitch", {"scope": scope, "ttl": "1m", "reason": "test"})
+        status, body = rig.admin_call(
+            "PUT", "/killswitch", {"scope": scope, "ttl": "1m", "reason": "test"}
+        )
         assert status == 200, body
         answer = running.result()
         assert answer.code == UNAVAILABLE
@@ -229,7 +230,7 @@ def test_a_cancel_half_way_reaches_the_upstream_and_nothing_stays_held(
 def test_a_cancel_while_waiting_for_a_pushback_ends_the_wait(rig: Rig) -> None:
     rig.peer.plan(fail(UNAVAILABLE, trailers=(("grpc-retry-pushback-ms", "20000"),)))
     tasks_before = held(rig)[2]
-    running = rig.start(UNARY)
+    running = rig.start(UNARY, timeout=None)  # the route's 60 s: room for the wait
     until(lambda: rig.peer.calls, "the first attempt")
     until(lambda: held(rig)[:2] == (1, 0), "the call waiting for its retry")
     running.cancel()
@@ -250,7 +251,12 @@ def test_grpc_calls_total_counts_the_final_status(rig: Rig) -> None:
 
     before = {
         k: count(*k)
-        for k in (("echo", "OK"), ("echo", "NOT_FOUND"), ("echo", "UNAVAILABLE"), ("down", "UNAVAILABLE"))
+        for k in (
+            ("echo", "OK"),
+            ("echo", "NOT_FOUND"),
+            ("echo", "UNAVAILABLE"),
+            ("down", "UNAVAILABLE"),
+        )
     }
     rig.peer.plan(fail(UNAVAILABLE))  # retried: counted once, as OK
     assert rig.call(UNARY).code == OK
