@@ -206,6 +206,8 @@ class H2Pool:
             raise ConnectFailure(
                 f"no stream on {self.endpoint}: {exc!r}", "connection_refused"
             ) from None
+        if grpc:
+            ex.deadline = _deadline(fields, started)
         try:
             if not inline:
                 assert body is not None
@@ -223,6 +225,15 @@ class H2Pool:
         for lk in list(self.links):
             lk.close()
         self.links.clear()
+
+
+def _deadline(fields: list[tuple[bytes, bytes]], started: float) -> float | None:
+    """When a gRPC call sent with ``fields`` at ``started`` (loop time) is over: its
+    ``grpc-timeout`` (milliseconds, as ``engine/sender.py`` writes the time left) from then."""
+    for k, v in fields:
+        if k == b"grpc-timeout" and v[-1:] == b"m" and v[:-1].isdigit():
+            return started + int(v[:-1]) / 1000
+    return None
 
 
 class SpeaksHttp1(ConnectFailure):

@@ -9,6 +9,7 @@ import asyncio
 from collections import deque
 from typing import Protocol
 
+from sidecar import outcomes
 from sidecar.core import (
     AttemptTimeout,
     BodyTimeout,
@@ -46,6 +47,13 @@ _NOT_SENT = frozenset(
     }
 )
 _PUSHBACK = b"grpc-retry-pushback-ms"
+# What a gRPC call whose deadline passed while its answer streamed ends with (its upstream
+# stream is reset): DEADLINE_EXCEEDED in the trailers, as a gRPC server ends it.
+DEADLINE_TRAILERS: Headers = [
+    (b"grpc-status", b"%d" % outcomes.DEADLINE.grpc),
+    (b"grpc-message", b"the call's deadline passed while its answer streamed"),
+    (b"x-retry-proxy-error", outcomes.DEADLINE.code.encode()),
+]
 
 
 def request_fields(head: bytes, scheme: bytes, grpc: bool) -> Headers:
@@ -112,6 +120,9 @@ class H2Exchange:
         self.sender: asyncio.Task[None] | None = None
         self.abandoned = False  # answered before the request body was all sent
         self.done = False  # given back (finish or cancel)
+        # A gRPC call's deadline (loop time, from the grpc-timeout it was sent with): its
+        # answer is cut there, however it streams. None: no deadline.
+        self.deadline: float | None = None
         self._waiter: asyncio.Future[bool] | None = None
 
     @property
@@ -145,11 +156,31 @@ class H2Exchange:
                 return b""
             if self.error is not None:
                 raise self.error
-            if not await self.wait(idle_timeout):
+            wait = idle_timeout
+            if self.deadline is not None:
+                left = self.deadline - self.link.loop.time()
+                if left <= 0:
+                    self.expire()
+                    continue
+                wait = min(wait, left)
+            if not await self.wait(wait):
+                if self.deadline is not None and wait < idle_timeout:
+                    continue  # the deadline: expired on the next turn
                 raise BodyTimeout(
                     f"the upstream sent no body bytes for {idle_timeout:g}s",
                     "http_response_timeout",
                 )
+
+    def expire(self) -> None:
+        """The gRPC call's deadline passed before its answer ended: the upstream stream is
+        reset (CANCEL) and the answer ends with DEADLINE_EXCEEDED trailers."""
+        self.link.reset(self)
+        self.trailers = list(DEADLINE_TRAILERS)
+        self.ended = True
+        self.body.clear()
+        if self.buffered:
+            self.link.consumed(self, self.buffered)
+        self.buffered = 0
 
     def take_body(self) -> bytes:
         body = b"".join(self.body)
