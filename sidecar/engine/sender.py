@@ -29,6 +29,20 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
 
+class GrpcCall:
+    """What a gRPC call carries into its sequence: the client's own
+    ``grpc-previous-rpc-attempts`` (passed on by the first attempt), and whether the client set
+    a deadline (``grpc-timeout``): only then does each attempt carry the time left as its own
+    ``grpc-timeout``. Without one the upstream gets none, and the route's ``timeout`` bounds the
+    wait for the answer's head only, as for any request: a long server stream is not cut."""
+
+    __slots__ = ("previous", "timed")
+
+    def __init__(self, previous: bytes | None, timed: bool) -> None:
+        self.previous = previous
+        self.timed = timed
+
+
 class AttemptSender:
     __slots__ = (
         "_body",
@@ -37,7 +51,6 @@ class AttemptSender:
         "_clock",
         "_deadline",
         "_grpc",
-        "_grpc_previous",
         "_head_base",
         "_head_only",
         "_method",
@@ -68,8 +81,7 @@ class AttemptSender:
         tls: RouteContext | None = None,
         tls_hosts: dict[str, str] | None = None,
         protocol: str = "http1",
-        grpc: bool = False,
-        grpc_previous: bytes | None = None,
+        grpc: GrpcCall | None = None,
         replay: Replay | None = None,
     ) -> None:
         self._client = client
@@ -89,7 +101,6 @@ class AttemptSender:
         self._tls_hosts = tls_hosts
         self._protocol = protocol  # the route's upstream_protocol
         self._grpc = grpc  # a gRPC call: grpc-timeout and grpc-previous-rpc-attempts per attempt
-        self._grpc_previous = grpc_previous  # the client's own count, passed on by the first
         self._replay = replay  # a request stream kept for a retry: each attempt reads it anew
 
     def time_left(self) -> float:
@@ -107,14 +118,16 @@ class AttemptSender:
             remaining,
         )
         body = self._body
-        if self._grpc:
+        grpc = self._grpc
+        if grpc is not None:
             # The time left as the call's own deadline (gRPC's "m": milliseconds, at most 8
             # digits), and how many attempts came before this one (gRFC A6).
-            head += b"grpc-timeout: %dm\r\n" % min(max(remaining, 1), 99_999_999)
+            if grpc.timed:
+                head += b"grpc-timeout: %dm\r\n" % min(max(remaining, 1), 99_999_999)
             if attempt > 1:
                 head += b"grpc-previous-rpc-attempts: %d\r\n" % (attempt - 1)
-            elif self._grpc_previous is not None:
-                head += b"grpc-previous-rpc-attempts: " + self._grpc_previous + b"\r\n"
+            elif grpc.previous is not None:
+                head += b"grpc-previous-rpc-attempts: " + grpc.previous + b"\r\n"
             if self._replay is not None:
                 body = self._replay.stream()
         tls: TlsTarget | None = None
@@ -149,7 +162,7 @@ class AttemptSender:
                 upgrade=self._upgrade,
                 tls=tls,
                 protocol=self._protocol,
-                grpc=self._grpc,
+                grpc=grpc is not None,
             )
         except BaseException as exc:
             if attempt_span is not None:

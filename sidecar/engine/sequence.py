@@ -41,7 +41,7 @@ from sidecar.engine.gate import SequenceGate
 from sidecar.engine.head import edge_head
 from sidecar.engine.hedging import hedged
 from sidecar.engine.loop import Driver, SequenceResult
-from sidecar.engine.sender import AttemptSender
+from sidecar.engine.sender import AttemptSender, GrpcCall
 from sidecar.retry.breaker import Admitted
 from sidecar.retry.classify import CUT_SHORT, may_resend, verdict
 from sidecar.retry.deadline import Deadline
@@ -69,8 +69,7 @@ class Exchange:
     # A gRPC call: its own retry rules (gRPC statuses, never the non_idempotent policy), the
     # client's grpc-previous-rpc-attempts, and its request stream, sent as it comes and kept
     # for a retry while it fits (``replay``, else None).
-    grpc: bool = False
-    grpc_previous: bytes | None = None
+    grpc: GrpcCall | None = None
     replay: Replay | None = None
 
     # An explicit __init__: mypyc compiles it, where the one @dataclass generates stays
@@ -90,8 +89,7 @@ class Exchange:
         idempotency_key: bool,
         span: Span | None = None,
         upgrade: bool = False,
-        grpc: bool = False,
-        grpc_previous: bytes | None = None,
+        grpc: GrpcCall | None = None,
         replay: Replay | None = None,
     ) -> None:
         self.route = route
@@ -107,7 +105,6 @@ class Exchange:
         self.span = span
         self.upgrade = upgrade
         self.grpc = grpc
-        self.grpc_previous = grpc_previous
         self.replay = replay
 
 
@@ -282,7 +279,6 @@ class Sequence:
             tls_hosts=self._state.tls_hosts,
             protocol=route.upstream_protocol,
             grpc=ex.grpc,
-            grpc_previous=ex.grpc_previous,
             replay=ex.replay,
         )
         method = ex.method
@@ -290,7 +286,7 @@ class Sequence:
         gate = SequenceGate(route.name, self._state, deps.kill, deps.life, clock, deps.rng)
         constraints = Constraints(
             # A gRPC call follows gRPC's rules: retried on the statuses listed.
-            may_resend=ex.grpc or may_resend(route.retry, method, ex.idempotency_key),
+            may_resend=ex.grpc is not None or may_resend(route.retry, method, ex.idempotency_key),
             body_replayable=ex.replayable,
             edge_owned=ex.edge is not None,
             killed=killed,
@@ -304,7 +300,7 @@ class Sequence:
             route.hedge.enabled
             and route.retry.per_try_timeout is None
             and method in route.hedge.methods
-            and (method != "POST" or ex.grpc)  # POST listed: gRPC calls only
+            and (method != "POST" or ex.grpc is not None)  # POST listed: gRPC calls only
             and not ex.idempotency_key
             and ex.replayable
             and ex.edge is None

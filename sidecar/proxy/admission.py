@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from sidecar.config.model import Config, IpNetwork, Route
 from sidecar.config.values import Upstream
+from sidecar.engine.sender import GrpcCall
 from sidecar.proxy import forward
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.deps import ProxyDeps
@@ -151,7 +152,7 @@ def admit(
         authority=where.authority.encode("latin-1") if where.authority else None,
         tls_host=tls_host(route) if route.upstream.tls else None,
     )
-    grpc_previous: bytes | None = None
+    grpc_call: GrpcCall | None = None
     if grpc is not None:
         # The call's deadline is the smaller of grpc-timeout and the route's; each attempt
         # sends the time left as its own grpc-timeout (engine/sender.py), and its count of
@@ -160,9 +161,8 @@ def admit(
         if limit is not None:
             mine = b"%d" % limit
             timeout_ms = mine if timeout_ms is None else timeout_ms + b"," + mine
-        grpc_previous = next(
-            (v for k, v in shared if k.lower() == b"grpc-previous-rpc-attempts"), None
-        )
+        previous = next((v for k, v in shared if k.lower() == b"grpc-previous-rpc-attempts"), None)
+        grpc_call = GrpcCall(previous, limit is not None)
         shared = [(k, v) for k, v in shared if k.lower() not in GRPC_PER_ATTEMPT]
     if request.client_cert is not None and route.forward_client_cert:
         shared.append((b"X-Forwarded-Client-Cert", request.client_cert))
@@ -199,5 +199,5 @@ def admit(
         start=deps.clock.monotonic(),
         warnings=warnings,
         grpc=grpc,
-        grpc_previous=grpc_previous,
+        grpc_call=grpc_call,
     )

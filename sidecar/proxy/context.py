@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from sidecar.config.model import Config, Route
 from sidecar.engine.answered import Answered
+from sidecar.engine.sender import GrpcCall
 from sidecar.proxy.deps import ProxyDeps
 from sidecar.proxy.frontend import ClientRequest, ResponseSink
 from sidecar.proxy.grpccall import GrpcSink
@@ -50,7 +51,7 @@ class RequestContext:
         "ended",
         "expects_continue",
         "grpc",
-        "grpc_previous",
+        "grpc_call",
         "headers",
         "request",
         "route",
@@ -84,7 +85,7 @@ class RequestContext:
         start: float,
         warnings: RateLimit,
         grpc: GrpcSink | None = None,
-        grpc_previous: bytes | None = None,
+        grpc_call: GrpcCall | None = None,
     ) -> None:
         self.request = request
         self.sink = sink  # where the answer goes (a guarded write's: held, proxy/held.py)
@@ -109,7 +110,7 @@ class RequestContext:
         # A gRPC call: its sink (which makes the sidecar's answers gRPC ones and notes the
         # final status), and the client's grpc-previous-rpc-attempts.
         self.grpc = grpc
-        self.grpc_previous = grpc_previous
+        self.grpc_call = grpc_call
         # Counted once: a tunnel is counted at its 101, before its handler returns.
         self.ended = False
 

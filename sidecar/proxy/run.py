@@ -37,8 +37,7 @@ def exchange_of(ctx: RequestContext, intake: Intake) -> Exchange:
         idempotency_key=key is not None and key.strip() != b"",
         span=ctx.span,
         upgrade=ctx.upgrade is not None,
-        grpc=ctx.grpc is not None,
-        grpc_previous=ctx.grpc_previous,
+        grpc=ctx.grpc_call,
         replay=intake.replay,
     )
 

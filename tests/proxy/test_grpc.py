@@ -158,10 +158,20 @@ def test_the_route_timeout_bounds_the_upstreams_deadline_when_smaller(rig: Rig) 
     assert left is not None and 0 < left <= 0.7
 
 
-def test_a_call_without_a_deadline_gets_the_routes(rig: Rig) -> None:
+def test_a_server_stream_without_a_deadline_outlives_the_route_timeout(rig: Rig) -> None:
+    """The ``short`` route's timeout (700 ms) bounds the wait for the answer's head; a stream
+    whose messages keep coming for longer is relayed whole, never cut by it."""
+    rig.peer.plan(Step(messages=5, gap=0.3), method=SERVER_STREAM)
+    answer = rig.call(SERVER_STREAM, (b"s",), route="short", timeout=None)
+    assert answer.code == OK and len(answer.messages) == 5
+    assert rig.peer.calls[0].time_remaining is None
+
+
+def test_a_call_without_a_deadline_sends_none_upstream(rig: Rig) -> None:
+    """No grpc-timeout: the upstream gets none (the route's timeout bounds the wait for the
+    answer's head only, as for any request: a long server stream is never cut by it)."""
     assert rig.call(UNARY, timeout=None).code == OK
-    left = rig.peer.calls[0].time_remaining
-    assert left is not None and 0 < left <= 60
+    assert rig.peer.calls[0].time_remaining is None
 
 
 def test_past_the_route_timeout_the_client_gets_the_sidecars_deadline_exceeded(rig: Rig) -> None:
@@ -214,11 +224,10 @@ def test_past_a_grpc_timeout_a_stream_that_sent_its_headers_still_ends(rig: Rig)
 
 @pytest.mark.parametrize("value", ["abc", "1.5S", "123456789S", "10x", "-5S"])
 def test_a_malformed_grpc_timeout_bounds_nothing(rig: Rig, value: str) -> None:
-    """As a gRPC server ignores it: the route's timeout (60 s) is the call's deadline."""
+    """As a gRPC server ignores it: no deadline, none sent upstream."""
     raw = grpcclient.raw_call(rig.port, UNARY, headers=[("grpc-timeout", value)])
     assert raw.status == "0"
-    left = rig.peer.calls[0].time_remaining
-    assert left is not None and 1 < left <= 60
+    assert rig.peer.calls[0].time_remaining is None
 
 
 def test_a_grpc_timeout_in_each_unit_bounds_the_upstreams(rig: Rig) -> None:
