@@ -6,13 +6,11 @@ whether it was cancelled) is what a test reads, never a timing."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import grpc
 import pytest
 
 from sidecar import outcomes
-from tests import grpcclient, grpcrig
+from tests import grpcclient
 from tests.grpcpeers import SERVER_STREAM, UNARY, Step, fail
 from tests.grpcrig import Rig
 from tests.wait import BOUND
@@ -20,18 +18,6 @@ from tests.wait import BOUND
 OK = grpc.StatusCode.OK
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 ATTEMPTS = "grpc-previous-rpc-attempts"
-
-
-@pytest.fixture(scope="module")
-def module_rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    with grpcrig.rig(tmp_path_factory.mktemp("grpc")) as r:
-        yield r
-
-
-@pytest.fixture
-def rig(module_rig: Rig) -> Rig:
-    module_rig.peer.reset()
-    return module_rig
 
 
 def previous(rig: Rig) -> list[str | bytes | None]:

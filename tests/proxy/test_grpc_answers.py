@@ -9,13 +9,13 @@ from __future__ import annotations
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import grpc
 import pytest
 
 from sidecar import outcomes
-from tests import grpcclient, grpcrig
+from tests import grpcclient
 from tests.grpcpeers import BIDI, CLIENT_STREAM, METHODS, SERVER_STREAM, UNARY, Step, fail
 from tests.grpcrig import Rig
 from tests.wait import BOUND
@@ -23,18 +23,6 @@ from tests.wait import BOUND
 OK = grpc.StatusCode.OK
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 GRPC_CALLS = "retry_sidecar_grpc_calls_total"
-
-
-@pytest.fixture(scope="module")
-def module_rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    with grpcrig.rig(tmp_path_factory.mktemp("grpc-answers")) as r:
-        yield r
-
-
-@pytest.fixture
-def rig(module_rig: Rig) -> Rig:
-    module_rig.peer.reset()
-    return module_rig
 
 
 def until(condition: Callable[[], object], what: str) -> None:
