@@ -73,6 +73,9 @@ class UpstreamError(Exception):
         super().__init__(message)
         # The RFC 9209 error type of this error (a connect failure knows "refused").
         self.error_type: str | None = error_type
+        # A gRPC call's failure as gRPC reads it (a reset stream is CANCELLED or INTERNAL, a
+        # connection lost UNAVAILABLE): judged by ``retry_on``'s gRPC statuses; -1: none.
+        self.grpc = -1
 
     @property
     def code(self) -> str:

@@ -13,6 +13,11 @@ Paths:
 - ``/hold``: headers and one DATA frame, then nothing: the stream stays open until reset.
 - ``/big?n=BYTES``: 200 with that many bytes, sent as the client's windows allow.
 - ``/status?code=N``: that status, empty body.
+- ``/goaway-then-answer``: GOAWAY NO_ERROR with this stream as the last id (a graceful
+  shutdown), then the answer (a gRPC OK) -- written as raw frames, since ``h2`` sends nothing
+  after its own GOAWAY.
+- ``/rst-cancel``: the whole request read, then the stream reset ``CANCEL`` (the app gave up
+  on a call it may have run).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from h2.events import (
 )
 from h2.exceptions import H2Error
 from h2.settings import SettingCodes
+from hyperframe.frame import DataFrame, HeadersFrame
 
 Fields = list[tuple[bytes, bytes]]
 
@@ -133,6 +139,28 @@ class _Conn(asyncio.Protocol):
                 self.flush()
                 assert self.transport is not None
                 self.transport.close()
+            return
+        if path == "/goaway-then-answer":
+            h2.close_connection(ErrorCodes.NO_ERROR, last_stream_id=sid)
+            self.flush()
+            head = HeadersFrame(sid)
+            head.data = h2.encoder.encode(
+                [(b":status", b"200"), (b"content-type", b"application/grpc")]
+            )
+            head.flags.add("END_HEADERS")
+            data = DataFrame(sid)
+            data.data = b"\x00\x00\x00\x00\x02ok"
+            tail = HeadersFrame(sid)
+            tail.data = h2.encoder.encode([(b"grpc-status", b"0")])
+            tail.flags.add("END_HEADERS")
+            tail.flags.add("END_STREAM")
+            assert self.transport is not None
+            self.transport.write(head.serialize() + data.serialize() + tail.serialize())
+            self.done(sid)
+            return
+        if path == "/rst-cancel":
+            h2.reset_stream(sid, ErrorCodes.CANCEL)
+            self.done(sid)
             return
         if path == "/trailers":
             h2.send_headers(sid, [(b":status", b"200")])

@@ -125,7 +125,7 @@ class RouteAttempter:
                 response = await self._send(number, timeout, endpoint, hedge)
             except UpstreamError as exc:
                 end = clock.monotonic()
-                outcome = Outcome(exc.kind, detail=str(exc))
+                outcome = Outcome(exc.kind, detail=str(exc), grpc=exc.grpc)
                 if exc.answer.limit is Effect.FAILURE:
                     latency = end - start  # at least this long: a timeout is a slow sample
                 self._settle(end, endpoint, outcome, exc, None)

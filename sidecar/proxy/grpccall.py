@@ -20,6 +20,7 @@ from sidecar.core import Fate
 from sidecar.proxy.frontend import Head, RawHeaders, ResponseSink
 
 GRPC_TYPE = b"application/grpc"
+GRPC_STATUS = b"grpc-status"
 # grpc-timeout units (at most 8 digits and one of these), in milliseconds per unit.
 _UNITS = {"H": 3_600_000.0, "M": 60_000.0, "S": 1000.0, "m": 1.0, "u": 0.001, "n": 0.000_001}
 # The fields of the sidecar's own answer that a gRPC answer keeps (its framing is gRPC's).
@@ -35,15 +36,16 @@ def is_grpc(content_type: str | None) -> bool:
 
 
 def grpc_timeout_ms(value: str | None) -> int | None:
-    """A ``grpc-timeout`` (1-8 digits and a unit) in whole milliseconds (at least 1); None
-    when absent or malformed (then it bounds nothing, as gRPC servers ignore it)."""
+    """A ``grpc-timeout`` (1-8 digits and a unit) in whole milliseconds, rounded down: 0 (a
+    deadline already passed: the call is answered DEADLINE_EXCEEDED, never sent) for less than
+    one; None when absent or malformed (then it bounds nothing, as gRPC servers ignore it)."""
     if value is None:
         return None
     v = value.strip()
     digits, unit = v[:-1], v[-1:]
     if not (1 <= len(digits) <= 8 and digits.isdigit() and digits.isascii()) or unit not in _UNITS:
         return None
-    return max(1, int(int(digits) * _UNITS[unit]))
+    return int(int(digits) * _UNITS[unit])
 
 
 def percent_encoded(text: str) -> bytes:
@@ -58,11 +60,13 @@ def percent_encoded(text: str) -> bytes:
 
 
 def status_in(fields: RawHeaders | tuple[tuple[bytes, bytes], ...]) -> int:
-    """The ``grpc-status`` among ``fields``; -1 when there is none."""
+    """The ``grpc-status`` among ``fields`` (the last one, as gRPC clients read a repeated
+    one); -1 when there is none."""
+    code = -1
     for k, v in fields:
-        if k.lower() == b"grpc-status":
-            return int(v) if v.isdigit() and len(v) <= 3 else 2
-    return -1
+        if k.lower() == GRPC_STATUS:
+            code = int(v) if v.isdigit() and len(v) <= 3 else outcomes.GRPC_UNKNOWN
+    return code
 
 
 def own_grpc_answer(head: Head, body: bytes) -> tuple[Head, int]:
@@ -70,7 +74,10 @@ def own_grpc_answer(head: Head, body: bytes) -> tuple[Head, int]:
     and its gRPC status."""
     code_b = next((v for k, v in head.fields if k.lower() == b"x-retry-proxy-error"), None)
     row = outcomes.BY_CODE.get(code_b.decode("latin-1")) if code_b is not None else None
-    if row is None or row is outcomes.BAD_REQUEST or row.status != head.status:
+    code = status_in(head.fields)  # the status of the failure itself, where it is known
+    if code >= 0:
+        pass
+    elif row is None or row is outcomes.BAD_REQUEST or row.status != head.status:
         code = outcomes.GRPC_OF_HTTP.get(head.status, outcomes.GRPC_UNKNOWN)
     else:
         code = row.grpc
@@ -80,7 +87,9 @@ def own_grpc_answer(head: Head, body: bytes) -> tuple[Head, int]:
         text = ""
     fields: RawHeaders = [
         (b"content-type", GRPC_TYPE),
-        (b"grpc-status", b"%d" % code),
+        (GRPC_STATUS, b"%d" % code),
+        # An HTTP/1.1 client needs the framing (there is no END_STREAM): an empty body.
+        (b"content-length", b"0"),
     ]
     if text:
         fields.append((b"grpc-message", percent_encoded(text)))

@@ -15,7 +15,7 @@ from sidecar.engine.sequence import Sequence
 from sidecar.proxy import forward
 from sidecar.proxy.context import RequestContext
 from sidecar.proxy.frontend import Head, RawHeaders, ResponseSink
-from sidecar.proxy.grpccall import status_in
+from sidecar.proxy.grpccall import GRPC_STATUS, status_in
 from sidecar.proxy.respond import own_answer, send_made
 from sidecar.upstream.client import UpstreamResponse
 
@@ -70,6 +70,10 @@ async def answer(
         row = outcomes.PER_TRY_TIMEOUT
     received = err.received_status if isinstance(err, RetryStopped) else None
     made = own_answer(row, fate, result.attempts, error_type, received_status=received)
+    if isinstance(err, UpstreamError) and err.grpc > 0 and row is err.answer:
+        # A gRPC call's last failure as gRPC reads it (a stream reset CANCEL is CANCELLED):
+        # the status its gRPC answer carries (proxy/grpccall.py).
+        made = made.plus([(GRPC_STATUS, b"%d" % err.grpc)])
     if captured is not None:
         made = made.plus(dlq_fields(captured))
     return send_made(sink, made, fate, result.attempts, proxy_error=row.code)

@@ -81,6 +81,11 @@ def is_retryable(policy: RetryPolicy, outcome: Outcome) -> bool:
         if outcome.grpc > 0:  # a gRPC call's failure: by its gRPC status (Envoy's retry-grpc-on)
             return outcome.grpc in on.grpc
         return outcome.status in on.statuses
+    if outcome.grpc > 0:
+        # A gRPC call broken after its request may have reached the upstream (a stream reset,
+        # its connection lost): as gRPC reads it (CANCELLED, INTERNAL, UNAVAILABLE...), retried
+        # only for a status the route lists, never by the ``reset`` word.
+        return outcome.grpc in on.grpc
     return outcome.kind in on.kinds
 
 

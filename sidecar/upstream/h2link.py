@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 
 from h2.config import H2Configuration
-from h2.connection import H2Connection
+from h2.connection import ConnectionState, H2Connection
 from h2.errors import ErrorCodes
 from h2.events import (
     ConnectionTerminated,
@@ -26,6 +26,7 @@ from h2.events import (
 from h2.exceptions import H2Error, StreamClosedError
 from h2.settings import SettingCodes, Settings
 
+from sidecar import outcomes
 from sidecar.core import (
     BadResponse,
     ConnectFailure,
@@ -37,6 +38,21 @@ from sidecar.upstream.responsehead import MAX_INTERIM, MAX_RESPONSE_HEAD, check_
 STREAM_WINDOW = 256 * 1024  # per stream: what one response may have buffered unread
 CONNECTION_WINDOW = 16 * 1024 * 1024  # per connection, across its streams
 WRITE_HIGH = 256 * 1024  # transport buffer above which a body sender waits
+
+
+class _Connection(H2Connection):
+    """``h2``'s client connection, but one that goes on after a GOAWAY: ``h2`` closes its
+    state machine at once, and the next frame (the answer to a stream at or below the
+    GOAWAY's last id, which RFC 9113 section 6.8 says the upstream may still complete) would
+    end the connection and fail every such stream -- a graceful shutdown of the upstream
+    made a retry of calls it was finishing. The link opens no stream after a GOAWAY."""
+
+    def _receive_goaway_frame(self, frame: Any) -> Any:
+        before = self.state_machine.state
+        out = super()._receive_goaway_frame(frame)
+        if before is not ConnectionState.CLOSED:
+            self.state_machine.state = before
+        return out
 
 
 class H2Link(asyncio.Protocol):
@@ -52,7 +68,7 @@ class H2Link(asyncio.Protocol):
         self.idle_timeout = idle_timeout
         self._lost = lost  # the pool's: this link takes no more streams
         config = H2Configuration(client_side=True, header_encoding=None)
-        self.h2 = H2Connection(config=config)
+        self.h2 = _Connection(config=config)
         # Our settings as the first SETTINGS frame says them (assigning the attributes of
         # ``local_settings`` would only queue them): each stream's receive window, the
         # response head's bound, no push, no stream from the upstream.
@@ -124,6 +140,10 @@ class H2Link(asyncio.Protocol):
         return (
             self.usable() and h2.open_outbound_streams < h2.remote_settings.max_concurrent_streams
         )
+
+    def refuses_streams(self) -> bool:
+        """Open, and its upstream allows no stream at all (it says it is overloaded)."""
+        return self.usable() and self.h2.remote_settings.max_concurrent_streams == 0
 
     def close(self) -> None:
         self.closed = True
@@ -295,7 +315,10 @@ class H2Link(asyncio.Protocol):
                     ex.abandoned = True  # answered: it wants no more of the request
                     ex.wake()
                 else:
-                    ex.fail(UpstreamReset(f"the upstream reset the stream ({ev.error_code!r})"))
+                    ex.fail(
+                        UpstreamReset(f"the upstream reset the stream ({ev.error_code!r})"),
+                        int(ev.error_code),
+                    )
         elif isinstance(ev, ConnectionTerminated):
             self.goaway = True
             last = ev.last_stream_id if ev.last_stream_id is not None else 0
@@ -334,5 +357,8 @@ class H2Link(asyncio.Protocol):
         ex.headers = fields
         ex.status = status
         if ex.grpc:
-            ex.grpc_status, ex.pushback = grpc_status_of(fields)
+            if status == 200:
+                ex.grpc_status, ex.pushback = grpc_status_of(fields)
+            else:  # as a gRPC client reads an HTTP status (503 is UNAVAILABLE)
+                ex.grpc_status = outcomes.GRPC_OF_HTTP.get(status, outcomes.GRPC_UNKNOWN)
         ex.wake()

@@ -97,6 +97,11 @@ class H2Pool:
             for lk in self.links:
                 if lk.has_room():
                     return lk
+            if any(lk.refuses_streams() for lk in self.links):
+                raise ConnectFailure(
+                    f"{self.endpoint} allows no stream (SETTINGS_MAX_CONCURRENT_STREAMS 0)",
+                    "connection_refused",
+                )
             left = end - loop.time()
             if left <= 0:
                 raise ConnectFailure(f"connect to {self.endpoint} timed out", "connection_timeout")
@@ -115,6 +120,13 @@ class H2Pool:
                 ) from None
             if lk.has_room():
                 return lk
+            if lk.refuses_streams():
+                # SETTINGS_MAX_CONCURRENT_STREAMS 0: the upstream takes no stream now. One
+                # connection learns it; opening more would only add to its load.
+                raise ConnectFailure(
+                    f"{self.endpoint} allows no stream (SETTINGS_MAX_CONCURRENT_STREAMS 0)",
+                    "connection_refused",
+                )
 
     def _connected(self, task: asyncio.Task[H2Link]) -> None:
         if self._connecting is task:

@@ -9,6 +9,8 @@ import asyncio
 from collections import deque
 from typing import Protocol
 
+from h2.errors import ErrorCodes
+
 from sidecar import outcomes
 from sidecar.core import (
     AttemptTimeout,
@@ -54,6 +56,23 @@ DEADLINE_TRAILERS: Headers = [
     (b"grpc-message", b"the call's deadline passed while its answer streamed"),
     (b"x-retry-proxy-error", outcomes.DEADLINE.code.encode()),
 ]
+
+
+def grpc_code_of_reset(code: int | None) -> int:
+    """What a gRPC client makes of a stream reset (RST_STREAM ``code``) or, for None, of its
+    connection lost, as gRPC's HTTP/2 transport maps them: CANCEL is CANCELLED,
+    ENHANCE_YOUR_CALM RESOURCE_EXHAUSTED, INADEQUATE_SECURITY PERMISSION_DENIED, a lost
+    connection UNAVAILABLE, any other code INTERNAL."""
+    if code is None:
+        return outcomes.GRPC_UNAVAILABLE
+    return _RESET_CODES.get(code, outcomes.GRPC_INTERNAL)
+
+
+_RESET_CODES = {
+    int(ErrorCodes.CANCEL): outcomes.GRPC_CANCELLED,
+    int(ErrorCodes.ENHANCE_YOUR_CALM): outcomes.GRPC_RETRY_ON["resource-exhausted"],
+    int(ErrorCodes.INADEQUATE_SECURITY): 7,  # PERMISSION_DENIED
+}
 
 
 def request_fields(head: bytes, scheme: bytes, grpc: bool) -> Headers:
@@ -138,8 +157,15 @@ class H2Exchange:
         """Wait for news (head, data, end, error) at most ``timeout``; False when it passed."""
         return await _wait(self.link.loop, self, timeout)
 
-    def fail(self, err: UpstreamError) -> None:
+    def fail(self, err: UpstreamError, reset: int | None = None) -> None:
+        """The stream failed with ``err``; ``reset``: the RST_STREAM code it was reset with
+        (None: the connection was lost). A gRPC call's failure after its request may have
+        reached the upstream is given the status gRPC reads it as, which ``retry_on`` judges
+        (never the ``reset`` word: a call the upstream may have run is retried only for a
+        status the route lists)."""
         if self.error is None and not (self.ended and self.has_head):
+            if self.grpc and isinstance(err, UpstreamReset) and not isinstance(err, BodyFailed):
+                err.grpc = grpc_code_of_reset(reset)
             self.error = err
         self.wake()
 
