@@ -1,7 +1,7 @@
 """Side-by-side performance: retry-sidecar vs nginx vs HAProxy as a reverse proxy, one run.
 
     python3 bench/perf.py [--duration 10] [--quick] [--json bench/results/perf.json]
-                          [--before CHECKOUT]
+                          [--before CHECKOUT] [--rounds N] [--grpc] [--h2]
 
 Installs what it needs (nginx-light, haproxy, wrk from Debian's packages) if missing, starts an
 upstream nginx (~100-byte replies, keep-alive), nginx as proxy, HAProxy as proxy, retry-sidecar
@@ -33,7 +33,10 @@ while it keeps aiohttp's server; floor-aiohttp minus floor-protocol: what aiohtt
 per-request server machinery costs), and writes JSON. ``--before CHECKOUT`` adds that checkout's
 two builds (``before-sidecar-pure``, ``before-sidecar-compiled``) to the same rotation:
 figures before and after a change, in the same run. Loopback only; bounded in time; it stops
-every process it started, by PID.
+every process it started, by PID. ``--grpc`` and ``--h2`` add the HTTP/2 and gRPC rows of
+bench/h2rows.py (gRPC unary direct / nginx grpc_pass / sidecar; HTTP/2 GETs through nginx and the
+sidecar's h2c listener), one round of them after each round of the rows above; without them the
+run measures what it always did.
 """
 
 from __future__ import annotations
@@ -522,12 +525,15 @@ def main() -> int:
         help="only these proxies (comma-separated names, e.g. nginx,sidecar-compiled,"
         "nginx-tls-listener,sidecar-tls-listener); direct is always measured",
     )
+    ap.add_argument("--rounds", type=int, default=None, help="alternations (default 2; --quick 1)")
+    ap.add_argument("--grpc", action="store_true", help="gRPC rows too (bench/h2rows.py)")
+    ap.add_argument("--h2", action="store_true", help="HTTP/2 (h2load) rows too (bench/h2rows.py)")
     args = ap.parse_args()
     global LOG_LEVEL
     LOG_LEVEL = args.log_level
     if args.quick:
         args.duration = 3.0
-    rounds = 1 if args.quick else 2
+    rounds = args.rounds or (1 if args.quick else 2)
     ensure_tools()
     global NOFILE
     limit = NOFILE = raise_nofile()
@@ -583,6 +589,13 @@ def main() -> int:
             procs.append(px)
             start_into(px, cmd, PROXY_CPU, d / f"{name}.log", cwd, here)
             proxies.append(px)
+        h2arms = None
+        if args.grpc or args.h2:
+            if str(Path(__file__).resolve().parent.parent) not in sys.path:
+                sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+            from bench import h2rows
+
+            h2arms = h2rows.start(d, procs, grpc=args.grpc, h2=args.h2, up=up_port, tree=compiled)
         targets: list[tuple[str, int, Proc | None]] = [("direct", up_port, None)]
         targets += [(p.name, p.port, p) for p in proxies]
         for _name, port, _ in targets:  # warm up
@@ -602,6 +615,9 @@ def main() -> int:
                         res.add(name, f"r{rate}_{k}", v)
                     if proc and fr["requests"]:
                         res.add(name, f"r{rate}_cpu_us", (cpu1 - cpu0) * 1e6 / fr["requests"])
+            if h2arms is not None:
+                print(f"round {r + 1}/{rounds}: HTTP/2 and gRPC rows", flush=True)
+                h2rows.measure_round(res, h2arms, args.duration)
             for name, _, proc in targets:
                 if proc:
                     res.add(name, "rss_mb", proc.rss_mb())
@@ -629,6 +645,8 @@ def main() -> int:
             p.stop()
         shutil.rmtree(d, ignore_errors=True)
     report(res)
+    if h2arms is not None:
+        h2rows.report(res, h2arms)
     out = {name: {k: sum(v) / len(v) for k, v in row.items()} for name, row in res.rows.items()}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2))
