@@ -25,7 +25,10 @@ from h2.settings import SettingCodes, Settings
 from hpack import Encoder
 from hyperframe.frame import Frame, GoAwayFrame, WindowUpdateFrame
 
+from sidecar import h2quiet
 from sidecar.config.model import Config
+
+h2quiet.quiet()  # h2 and hpack without their per-frame debug work
 
 RESET_BURST_MIN = 200  # streams reset at once before the rate applies (or 2x the stream limit)
 RESET_RATE = 100.0  # streams reset a second, sustained

@@ -26,7 +26,7 @@ from h2.events import (
 from h2.exceptions import H2Error, StreamClosedError
 from h2.settings import SettingCodes, Settings
 
-from sidecar import outcomes
+from sidecar import h2quiet, outcomes
 from sidecar.core import (
     BadResponse,
     ConnectFailure,
@@ -34,6 +34,8 @@ from sidecar.core import (
 )
 from sidecar.upstream.h2stream import H2Exchange, Headers, expire, grpc_status_of
 from sidecar.upstream.responsehead import MAX_INTERIM, MAX_RESPONSE_HEAD, check_final_status
+
+h2quiet.quiet()  # h2 and hpack without their per-frame debug work
 
 STREAM_WINDOW = 256 * 1024  # per stream: what one response may have buffered unread
 CONNECTION_WINDOW = 16 * 1024 * 1024  # per connection, across its streams
