@@ -30,7 +30,18 @@ SIDECAR = ROOT / "sidecar"
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"outcomes"}),
     frozenset({"core"}),
-    frozenset({"__init__", "config", "lifecycle", "heaptrim", "heapfreeze", "jsonapi", "testing"}),
+    frozenset(
+        {
+            "__init__",
+            "config",
+            "lifecycle",
+            "heaptrim",
+            "heapfreeze",
+            "h2quiet",
+            "jsonapi",
+            "testing",
+        }
+    ),
     frozenset({"retry", "upstream", "telemetry", "fleet"}),
     frozenset({"engine", "explain"}),
     frozenset({"proxy", "dlq", "idempotency"}),
