@@ -8,6 +8,7 @@ sidecar's own gRPC answer is framed for an HTTP/1.1 client."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 
 from tests.grpcclient import raw_call
@@ -96,3 +97,34 @@ async def test_the_sidecars_grpc_answer_to_an_http1_client_is_framed(tmp_path: P
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
             assert b"grpc-status: 14" in head and b"content-length: 0" in head.lower()
         writer.close()
+
+
+async def test_a_request_cancelled_while_its_connection_opens_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    """An upstream that takes the TCP connection and never sends its SETTINGS: a client that
+    leaves while its request waits for that connection is cancelled alone; the shared connect
+    ends at the connect timeout and closes its socket; the next request gets a connect failure
+    (UNAVAILABLE), not a hang."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    silent.setblocking(False)
+    up = silent.getsockname()[1]
+    loop = asyncio.get_running_loop()
+    try:
+        async with through(tmp_path, up, "    retry: {attempts: 1}\n") as (port, _, _):
+            task = asyncio.ensure_future(asyncio.to_thread(grpc, port, "/echo"))
+            conn, _ = await asyncio.wait_for(loop.sock_accept(silent), 10)
+            task.cancel()  # the thread's call runs on; its socket is closed below
+            # the shared connect gives up at upstream_pool.connect_timeout (1 s) and closes
+            conn.setblocking(False)
+            got = b""
+            while chunk := await asyncio.wait_for(loop.sock_recv(conn, 65536), 10):
+                got += chunk  # its preface and SETTINGS, then the close (b"")
+            assert got.startswith(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            status, fields = await asyncio.to_thread(grpc, port, "/echo")
+            assert status == "14" and fields["x-retry-proxy-error"] == "connect-failure"
+            conn.close()
+    finally:
+        silent.close()
