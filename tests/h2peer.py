@@ -16,6 +16,7 @@ Paths:
 - ``/goaway-then-answer``: GOAWAY NO_ERROR with this stream as the last id (a graceful
   shutdown), then the answer (a gRPC OK) -- written as raw frames, since ``h2`` sends nothing
   after its own GOAWAY.
+- ``/early``: answered (200, END_STREAM) as soon as its HEADERS come, before its body.
 - ``/rst-cancel``: the whole request read, then the stream reset ``CANCEL`` (the app gave up
   on a call it may have run).
 """
@@ -100,6 +101,10 @@ class _Conn(asyncio.Protocol):
                 self.seen.streams.append(list(ev.headers))
                 self.live.add(ev.stream_id)
                 self.seen.open_streams += 1
+                if dict(ev.headers)[b":path"] == b"/early":
+                    self.h2.send_headers(ev.stream_id, [(b":status", b"200")])
+                    self.h2.send_data(ev.stream_id, b"early", end_stream=True)
+                    self.done(ev.stream_id)
             elif isinstance(ev, DataReceived):
                 self.bodies[ev.stream_id] = self.bodies.get(ev.stream_id, 0) + len(ev.data)
                 self.h2.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)

@@ -225,6 +225,10 @@ class H2Exchange:
             self.cancel()
             return
         self.done = True
+        # Answered before its request body was all sent: our side of the stream is still open
+        # (it would hold one of the connection's streams for good); reset ends it. A stream
+        # closed both ways is left as it is.
+        self.link.reset(self)
         self.link.forget(self)
 
     def sender_running(self) -> bool:

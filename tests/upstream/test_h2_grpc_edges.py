@@ -11,6 +11,8 @@ import asyncio
 import socket
 from pathlib import Path
 
+import aiohttp
+
 from tests.grpcclient import raw_call
 from tests.h2peer import serving
 from tests.upstream.test_h2_upstream import through
@@ -128,3 +130,18 @@ async def test_a_request_cancelled_while_its_connection_opens_leaves_nothing(
             conn.close()
     finally:
         silent.close()
+
+
+async def test_an_early_answer_frees_its_stream_on_the_connection(tmp_path: Path) -> None:
+    """The upstream answers before the request body is all sent: the stream is reset on our
+    side too, so it does not hold one of the connection's streams for good (an upstream that
+    allows two streams serves request after request on one connection)."""
+    async with (
+        serving(max_streams=2) as (up, seen),
+        through(tmp_path, up) as (port, _, _),
+        aiohttp.ClientSession() as s,
+    ):
+        for _ in range(5):
+            async with s.post(f"http://127.0.0.1:{port}/early", data=b"u" * 3_000_000) as r:
+                assert r.status == 200 and await r.read() == b"early"
+    assert seen.connections == 1
