@@ -12,6 +12,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 # Ports free_port has handed out in this process. A port is only bound later, by whoever it
@@ -119,6 +121,26 @@ async def launched(cfg: Path, *ports: int, env: dict[str, str] | None = None) ->
         proc.terminate()
         raise
     return proc
+
+
+@asynccontextmanager
+async def proxying(
+    tmp_path: Path, upstream: str, route: str = "", top: str = ""
+) -> AsyncIterator[tuple[int, int, SidecarProcess]]:
+    """The real process with one route, ``app``, to ``upstream`` (a URL): ``route`` adds keys
+    to it (lines indented four spaces), ``top`` top-level keys; on free ports. Yields (listen
+    port, admin port, process); stopped on every exit."""
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "sidecar.yaml"
+    cfg.write_text(
+        f"version: 1\nlisten: 127.0.0.1:{port}\nadmin: {{listen: 127.0.0.1:{admin}}}\n{top}"
+        f"routes:\n  - name: app\n    upstream: {upstream}\n{route}"
+    )
+    proc = await launched(cfg, port, admin)
+    try:
+        yield port, admin, proc
+    finally:
+        proc.terminate()
 
 
 def run_until_line_then_kill(script: str, *args: str, line: bytes, timeout: float = 60.0) -> None:

@@ -15,7 +15,7 @@ import ssl
 import subprocess
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, suppress
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from h2.events import (
 from h2.settings import SettingCodes
 from hyperframe.frame import ContinuationFrame, HeadersFrame
 
-from tests.proc import SidecarProcess, free_port, launched
+from tests.proc import SidecarProcess, proxying
 from tests.tlscerts import CertSet, make
 from tests.wait import until
 
@@ -88,21 +88,11 @@ async def upstream() -> AsyncIterator[Upstream]:
         await runner.cleanup()
 
 
-@asynccontextmanager
-async def sidecar(
+def sidecar(
     tmp_path: Path, up: Upstream, top: str = "", route: str = ""
-) -> AsyncIterator[tuple[int, int, SidecarProcess]]:
-    port, admin = free_port(), free_port()
-    cfg = tmp_path / "sidecar.yaml"
-    cfg.write_text(
-        f"version: 1\nlisten: 127.0.0.1:{port}\nadmin: {{listen: 127.0.0.1:{admin}}}\n{top}"
-        f"routes:\n  - name: app\n    upstream: http://127.0.0.1:{up.port}\n{route}"
-    )
-    proc = await launched(cfg, port, admin)
-    try:
-        yield port, admin, proc
-    finally:
-        proc.terminate()
+) -> AbstractAsyncContextManager[tuple[int, int, SidecarProcess]]:
+    """The real sidecar with one route to ``up``."""
+    return proxying(tmp_path, f"http://127.0.0.1:{up.port}", route, top)
 
 
 def rss_kib(proc: SidecarProcess) -> int:

@@ -9,8 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import aiohttp
@@ -21,25 +20,16 @@ from tests import tlscerts
 from tests.difftools import run_nginx, stop, wait_port
 from tests.grpcclient import raw_call
 from tests.h2peer import Seen, serving
-from tests.proc import SidecarProcess, free_port, launched
+from tests.proc import SidecarProcess, free_port, launched, proxying
 
 
-@asynccontextmanager
-async def through(
+def through(
     tmp_path: Path, upstream_port: int, route: str = ""
-) -> AsyncIterator[tuple[int, int, SidecarProcess]]:
-    port, admin = free_port(), free_port()
-    cfg = tmp_path / "sidecar.yaml"
-    cfg.write_text(
-        f"version: 1\nlisten: 127.0.0.1:{port}\nadmin: {{listen: 127.0.0.1:{admin}}}\n"
-        f"routes:\n  - name: h2\n    upstream: http://127.0.0.1:{upstream_port}\n"
-        f"    upstream_protocol: h2\n{route}"
+) -> AbstractAsyncContextManager[tuple[int, int, SidecarProcess]]:
+    """The real sidecar with one route speaking HTTP/2 (h2c) to the upstream on that port."""
+    return proxying(
+        tmp_path, f"http://127.0.0.1:{upstream_port}", "    upstream_protocol: h2\n" + route
     )
-    proc = await launched(cfg, port, admin)
-    try:
-        yield port, admin, proc
-    finally:
-        proc.terminate()
 
 
 async def get(port: int, path: str, **kw: object) -> tuple[int, dict[str, str], bytes]:
