@@ -398,6 +398,11 @@ GRPC_OF_HTTP: Final[dict[int, int]] = {
 }
 
 
+def grpc_status_value(value: bytes) -> int:
+    """A ``grpc-status`` field's code; UNKNOWN when it is not a number, as gRPC reads it."""
+    return int(value) if value.isdigit() and len(value) <= 3 else GRPC_UNKNOWN
+
+
 def grpc_name(code: int) -> str:
     """The name of a gRPC status code; an unknown code is UNKNOWN, as gRPC reads it."""
     return GRPC_CODES[code] if 0 <= code < len(GRPC_CODES) else GRPC_CODES[2]

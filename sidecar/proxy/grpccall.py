@@ -65,7 +65,7 @@ def status_in(fields: RawHeaders | tuple[tuple[bytes, bytes], ...]) -> int:
     code = -1
     for k, v in fields:
         if k.lower() == GRPC_STATUS:
-            code = int(v) if v.isdigit() and len(v) <= 3 else outcomes.GRPC_UNKNOWN
+            code = outcomes.grpc_status_value(v)
     return code
 
 

@@ -12,6 +12,7 @@ from sidecar.upstream.connection import Connection
 from sidecar.upstream.h2pool import H2Pool, SpeaksHttp1
 from sidecar.upstream.h2stream import H2Exchange
 from sidecar.upstream.pool import Pool, PoolSettings, PoolStats
+from sidecar.upstream.responsehead import read_fields
 from sidecar.upstream.states import Req
 from sidecar.upstream.tls import TlsContexts, TlsTarget
 from sidecar.upstream.upload import send_stream
@@ -204,7 +205,7 @@ class UpstreamResponse:
 class H2Response(UpstreamResponse):
     """An HTTP/2 upstream's response: one stream of a shared connection (``h2pool``)."""
 
-    __slots__ = ("_endpoint", "_ex")
+    __slots__ = ("_endpoint", "_ex", "_length")
 
     def __init__(self, ex: H2Exchange, endpoint: str) -> None:
         # The HTTP/1.1 connection's slots (_pool, _conn) stay unset: every method that reads
@@ -216,15 +217,12 @@ class H2Response(UpstreamResponse):
         self.status = ex.status
         self.headers = ex.headers
         self.interim = ex.interim
-        ra: bytes | None = None
-        pe: bytes | None = None
-        for k, v in ex.headers:
-            if k == b"retry-after":
-                ra = v
-            elif k == b"x-retry-proxy-error":
-                pe = v
-        self.retry_after = ra
-        self.proxy_error = pe
+        # The one pass over the fields an HTTP/1.1 head gets (h2 has refused the framing
+        # fields already): the announced length and the two fields the engine reads.
+        fields = read_fields(ex.headers)
+        self._length = fields.content_length
+        self.retry_after = fields.retry_after
+        self.proxy_error = fields.proxy_error
         self.grpc_status = ex.grpc_status
         self.pushback = ex.pushback
 
@@ -238,10 +236,7 @@ class H2Response(UpstreamResponse):
 
     @property
     def content_length(self) -> int | None:
-        for k, v in self.headers:
-            if k == b"content-length":
-                return int(v) if v.isdigit() else None
-        return None
+        return self._length
 
     @property
     def has_body(self) -> bool:

@@ -111,7 +111,7 @@ def grpc_status_of(fields: Headers) -> tuple[int, bytes | None]:
     pushback = None
     for k, v in fields:
         if k == b"grpc-status":
-            status = int(v) if v.isdigit() and len(v) <= 3 else 2
+            status = outcomes.grpc_status_value(v)
         elif k == _PUSHBACK:
             pushback = v
     return status, pushback

@@ -84,16 +84,21 @@ def test_no_route_is_unimplemented(rig: Rig) -> None:
     assert ("x-retry-proxy-error", outcomes.BAD_REQUEST.code) in raw.headers
 
 
-def test_an_open_breaker_answers_unavailable(rig: Rig) -> None:
-    """Two connect failures open the route's breaker (min_sequences 2): then its own answer."""
+def calls_until_the_breaker_opens(rig: Rig, route: str) -> None:
+    """Calls on ``route``, each answered UNAVAILABLE, until its breaker answers (at most 10)."""
     seen = []
     for _ in range(10):
-        answer = rig.call(UNARY, route="breaker")
+        answer = rig.call(UNARY, route=route)
         assert answer.code == UNAVAILABLE
         seen.append(answer.trailer("x-retry-proxy-error"))
         if seen[-1] == outcomes.BREAKER_OPEN.code:
             break
     assert seen[-1] == outcomes.BREAKER_OPEN.code, seen
+
+
+def test_an_open_breaker_answers_unavailable(rig: Rig) -> None:
+    """Two connect failures open the route's breaker (min_sequences 2): then its own answer."""
+    calls_until_the_breaker_opens(rig, "breaker")
     raw = grpcclient.raw_call(rig.port, UNARY, headers=[("x-route", "breaker")])
     assert raw.trailers_only and raw.status == "14"
     assert ("x-retry-proxy-error", outcomes.BREAKER_OPEN.code) in raw.headers
@@ -108,14 +113,7 @@ def test_a_listed_grpc_status_counts_for_the_breaker(rig: Rig) -> None:
     _, breakers = rig.admin_call("GET", "/breakers")
     assert breakers["routes"]["tripped"]["failures"] == 0
     rig.peer.plan(fail(UNAVAILABLE, 10))
-    seen = []
-    for _ in range(10):
-        answer = rig.call(UNARY, route="tripped")
-        assert answer.code == UNAVAILABLE
-        seen.append(answer.trailer("x-retry-proxy-error"))
-        if seen[-1] == outcomes.BREAKER_OPEN.code:
-            break
-    assert seen[-1] == outcomes.BREAKER_OPEN.code, seen
+    calls_until_the_breaker_opens(rig, "tripped")
 
 
 def test_a_kill_switch_ends_a_call_waiting_for_its_retry_with_unavailable(rig: Rig) -> None:
